@@ -1,0 +1,107 @@
+"""DataParallel: one process drives every chosen GPU, ResNet-18 on CIFAR-100.
+
+    python dataparallel.py                      # all visible GPUs
+    python dataparallel.py --gpu 0,1            # GPUs 0 and 1 (indices among CUDA_VISIBLE_DEVICES)
+    python dataparallel.py --device cpu         # no GPU: the CPU, as a single replica
+
+Each step, DataParallel copies the weights from the first GPU to the others, splits the batch
+between them, runs the replicas in threads and gathers outputs and gradients back on the first
+GPU. Simple, but one Python process and one GPU do the gathering: DDP is faster (see README).
+"""
+import sys
+
+import torch
+from torch import nn
+
+from utils import checkpoint, data, dist, flags, metrics, models
+from utils.errors import UsageError, exit_on_usage_error
+from utils.progress import EpochProgress
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__, distributed=False)
+    parser.add_argument("--gpu", default=None, metavar="0,1,...",
+                        help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
+    return flags.parse(parser, argv)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env):
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # the replicas' gradients are summed onto the first GPU's weights
+        optimizer.step()
+        progress.record(loss)
+
+
+def train(args, env, gpus):
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
+    data.prepare(args, env)
+    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    pin = env.device.type == "cuda"
+    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
+    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device)
+    # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
+    # needs DDP). Without a GPU it is a pass-through and the CPU trains the model alone.
+    model = nn.DataParallel(model, device_ids=gpus or None)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    if args.evaluate:
+        snapshots.load_weights()
+        results = metrics.evaluate(model, test_loader, env.device)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        return
+    start_epoch, start_step = snapshots.resume()
+    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    for epoch in range(start_epoch, args.epochs):
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
+                                 start_step)
+        train_one_epoch(model, criterion, optimizer, progress, env)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        results = metrics.evaluate(model, test_loader, env.device)  # split over the GPUs too
+        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
+        snapshots.save(epoch + 1)
+        start_step = 0
+
+
+def choose_gpus(args) -> list[int]:
+    """The GPU indices named by --gpu (all visible ones by default); [] to run on the CPU."""
+    visible = torch.cuda.device_count()
+    if dist.resolve_device(args.device) == "cpu":
+        if args.gpu:
+            why = "--device cpu was asked for" if visible else "no GPU is visible (check CUDA_VISIBLE_DEVICES)"
+            raise UsageError(f"--gpu {args.gpu} names GPUs, but {why}; drop --gpu to train on the CPU")
+        print("no GPU in use: DataParallel trains on the CPU as a single replica", file=sys.stderr)
+        return []
+    if args.gpu is None:
+        return list(range(visible))
+    try:
+        gpus = [int(g) for g in args.gpu.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpu {args.gpu}: expected GPU indices like 0,1,2,3") from None
+    missing = [g for g in gpus if not 0 <= g < visible]
+    if missing or len(set(gpus)) != len(gpus):
+        raise UsageError(f"--gpu {args.gpu}: GPU {missing[0] if missing else 'index repeated'} is not usable; "
+                         f"visible GPUs are 0..{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
+    return gpus
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with exit_on_usage_error():
+        gpus = choose_gpus(args)
+        device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
+        train(args, dist.Env(rank=0, local_rank=0, world_size=1, device=device), gpus)
+
+
+if __name__ == "__main__":
+    main()

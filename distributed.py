@@ -1,0 +1,93 @@
+"""DistributedDataParallel started by torchrun: one process per GPU (or CPU process), ResNet-18 on CIFAR-100.
+
+    torchrun --standalone --nproc_per_node=4 distributed.py                  # 4 GPUs of this machine
+    torchrun --standalone --nproc_per_node=2 distributed.py --device cpu     # 2 CPU processes, gloo
+    python -m torch.distributed.launch --nproc_per_node=2 distributed.py     # the deprecated launcher
+    python distributed.py                                                    # a world of one process
+"""
+import os
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils import checkpoint, data, dist, flags, metrics, models, syncbn
+from utils.errors import exit_on_usage_error
+from utils.progress import EpochProgress
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    # The launcher tells each process who it is: torchrun sets LOCAL_RANK; torch.distributed.launch
+    # also passes --local-rank=N (--local_rank before torch 2.0). The environment wins when both exist.
+    parser.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch")
+    parser.add_argument("--ip", default=None, help="rendezvous address (MASTER_ADDR) if the launcher sets none")
+    parser.add_argument("--port", type=flags.port_number, default=None,
+                        help="rendezvous port (MASTER_PORT) if the launcher sets none")
+    return flags.parse(parser, argv)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env):
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients over all ranks, bucket by bucket, during backward
+        optimizer.step()
+        progress.record(loss)
+
+
+def train(args, env):
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    data.prepare(args, env)
+    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    pin = env.device.type == "cuda"
+    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
+    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device)
+    if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+        model = syncbn.convert(model, env.device)
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    if args.evaluate:
+        snapshots.load_weights()
+        results = metrics.evaluate(model.module, test_loader, env.device)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        return
+    start_epoch, start_step = snapshots.resume()
+    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    for epoch in range(start_epoch, args.epochs):
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
+                                 start_step)
+        train_one_epoch(model, criterion, optimizer, progress, env)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        results = metrics.evaluate(model.module, test_loader, env.device)  # the unwrapped module: see there
+        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
+        snapshots.save(epoch + 1)
+        start_step = 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with exit_on_usage_error():
+        if args.ip or args.port:  # for launchers that set no rendezvous address themselves
+            os.environ.setdefault("MASTER_ADDR", args.ip or "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(args.port or 29500))
+        env = dist.init_process(args)
+        try:
+            train(args, env)
+        finally:
+            dist.teardown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,145 @@
+"""DistributedDataParallel + mixed precision (torch.amp, what NVIDIA apex's amp became), ResNet-18 on CIFAR-100.
+
+    python distributed_apex.py                              # float16 + GradScaler on GPUs, bfloat16 on a CPU
+    python distributed_apex.py --amp-dtype bfloat16         # bfloat16 needs no loss scaling
+    python distributed_apex.py --opt-level O0               # full float32, to compare
+    torchrun --standalone --nproc_per_node=4 distributed_apex.py   # started by torchrun instead of spawn
+
+apex.amp.initialize(model, optimizer, opt_level="O1") became torch.autocast around the forward pass
+plus torch.amp.GradScaler for float16 gradients; apex.parallel.DistributedDataParallel and
+apex.parallel.SyncBatchNorm became torch's own. The README has the full migration table.
+"""
+import importlib.util
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils import checkpoint, data, dist, flags, metrics, models, syncbn
+from utils.errors import UsageError, exit_on_usage_error
+from utils.progress import EpochProgress
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    flags.add_spawn_flags(parser, "processes on this machine; default: one per visible GPU, or 2 on the CPU")
+    parser.add_argument("--opt-level", default="O1",
+                        help="apex's names: O0 = float32, O1 = mixed precision (autocast); O2/O3 are gone")
+    parser.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
+                        help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on CPU")
+    parser.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",
+                        help="apex-fused-sgd: apex.optimizers.FusedSGD, if NVIDIA apex is installed")
+    return flags.parse(parser, argv)
+
+
+def precision(args):
+    """The autocast dtype of --opt-level/--amp-dtype (None: float32) and whether to scale the loss."""
+    if args.opt_level in ("O2", "O3"):
+        raise UsageError(f"--opt-level {args.opt_level} (float16 master weights / pure float16) left apex with "
+                         "apex.amp; torch.amp has autocast only: use --opt-level O1")
+    if args.opt_level not in ("O0", "O1"):
+        raise UsageError(f"--opt-level {args.opt_level}: expected O0 (float32) or O1 (mixed precision)")
+    if args.opt_level == "O0":
+        return None, False
+    on_gpu = dist.resolve_device(args.device) == "cuda"
+    dtype = {"auto": torch.float16 if on_gpu else torch.bfloat16, "float16": torch.float16,
+             "bfloat16": torch.bfloat16}[args.amp_dtype]
+    # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range.
+    return dtype, dtype == torch.float16
+
+
+def optimizer_class(args):
+    if args.optimizer == "sgd":
+        return torch.optim.SGD
+    if importlib.util.find_spec("apex") is None or importlib.util.find_spec("apex.optimizers") is None:
+        raise UsageError("--optimizer apex-fused-sgd needs NVIDIA apex, built from github.com/NVIDIA/apex "
+                         "(the PyPI package named 'apex' is an unrelated project); or use --optimizer sgd")
+    if dist.resolve_device(args.device) != "cuda":
+        raise UsageError("--optimizer apex-fused-sgd runs CUDA kernels only; use --optimizer sgd on the CPU")
+    from apex.optimizers import FusedSGD
+    return FusedSGD
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env, amp_dtype, scaler):
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        # autocast runs matrix products and convolutions in amp_dtype, reductions in float32
+        with torch.autocast(env.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        scaler.scale(loss).backward()  # DDP averages the (scaled) gradients over all ranks during backward
+        scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
+        scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
+        progress.record(loss)
+
+
+def train(args, env):
+    amp_dtype, scale_loss = precision(args)
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    data.prepare(args, env)
+    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    pin = env.device.type == "cuda"
+    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
+    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device)
+    if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+        model = syncbn.convert(model, env.device)
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args, optimizer_class(args))
+    scaler = torch.amp.GradScaler(env.device.type, enabled=scale_loss)  # a pass-through when disabled
+    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler,
+                                     scaler=scaler)
+
+    if args.evaluate:
+        snapshots.load_weights()
+        results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        return
+    start_epoch, start_step = snapshots.resume()
+    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    for epoch in range(start_epoch, args.epochs):
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
+                                 start_step)
+        train_one_epoch(model, criterion, optimizer, progress, env, amp_dtype, scaler)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype)  # unwrapped: see there
+        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
+        snapshots.save(epoch + 1)
+        start_step = 0
+
+
+def worker(local_rank, args):
+    """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
+    with exit_on_usage_error():
+        env = dist.init_process(args, local_rank)
+        try:
+            train(args, env)
+        finally:
+            dist.teardown()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if dist.launched_by_torchrun():  # torchrun started this process as one rank: start no others
+        return worker(None, args)
+    with exit_on_usage_error():  # check all that can be checked before starting any process
+        precision(args), optimizer_class(args)
+        args.nprocs = args.nprocs or dist.default_nprocs(args.device)
+        dist.check_launch(args, local_processes=args.nprocs)
+        flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs)
+        data.prepare(args, env=None)
+        dist.prepare_rendezvous(args)
+    with dist.spawn_errors():
+        mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
+
+
+if __name__ == "__main__":
+    main()

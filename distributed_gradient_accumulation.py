@@ -1,0 +1,117 @@
+"""DistributedDataParallel + gradient accumulation under no_sync(): a large batch in small pieces.
+
+    python distributed_gradient_accumulation.py --grad-accu-steps 4   # each rank's batch in 4 micro-batches
+    torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py --grad-accu-steps 4
+
+The optimizer step sees the same gradient as without accumulation (the loss of each micro-batch is
+divided by their number), while only a quarter of the batch is in memory at a time. DDP would
+all-reduce after every backward; under model.no_sync() it only accumulates, so gradients cross the
+network once per optimizer step, after the last micro-batch.
+"""
+import contextlib
+
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils import checkpoint, data, dist, flags, metrics, models, syncbn
+from utils.errors import UsageError, exit_on_usage_error
+from utils.progress import EpochProgress
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    flags.add_spawn_flags(parser, "processes on this machine; default: one per visible GPU, or 2 on the CPU")
+    parser.add_argument("--grad-accu-steps", type=flags.positive_int, default=2,
+                        help="micro-batches per optimizer step; must divide the per-rank batch")
+    return flags.parse(parser, argv)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env, accu_steps):
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        step_loss = 0.0
+        for i, (x, y) in enumerate(zip(images.chunk(accu_steps), targets.chunk(accu_steps), strict=True)):
+            last = i == accu_steps - 1
+            # no_sync: accumulate this micro-batch's gradient locally; the last backward all-reduces the sum
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = criterion(model(x), y) / accu_steps  # mean over the micro-batches = mean over the batch
+                loss.backward()
+            step_loss += loss.detach()  # every micro-batch counts in the logged loss, not just the last
+        optimizer.step()
+        progress.record(step_loss)
+
+
+def train(args, env):
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    micro_batches(batch, args.grad_accu_steps)
+    data.prepare(args, env)
+    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    pin = env.device.type == "cuda"
+    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
+    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device)
+    if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+        model = syncbn.convert(model, env.device)
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    if args.evaluate:
+        snapshots.load_weights()
+        results = metrics.evaluate(model.module, test_loader, env.device)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        return
+    start_epoch, start_step = snapshots.resume()
+    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    for epoch in range(start_epoch, args.epochs):
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
+                                 start_step)
+        train_one_epoch(model, criterion, optimizer, progress, env, args.grad_accu_steps)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        results = metrics.evaluate(model.module, test_loader, env.device)  # the unwrapped module: see there
+        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
+        snapshots.save(epoch + 1)
+        start_step = 0
+
+
+def micro_batches(per_rank_batch, accu_steps):
+    if per_rank_batch % accu_steps:
+        raise UsageError(f"the per-rank batch ({per_rank_batch}) is not divisible by --grad-accu-steps {accu_steps}")
+
+
+def worker(local_rank, args):
+    """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
+    with exit_on_usage_error():
+        env = dist.init_process(args, local_rank)
+        try:
+            train(args, env)
+        finally:
+            dist.teardown()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if dist.launched_by_torchrun():  # torchrun started this process as one rank: start no others
+        return worker(None, args)
+    with exit_on_usage_error():  # check all that can be checked before starting any process
+        args.nprocs = args.nprocs or dist.default_nprocs(args.device)
+        dist.check_launch(args, local_processes=args.nprocs)
+        micro_batches(flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs), args.grad_accu_steps)
+        data.prepare(args, env=None)
+        dist.prepare_rendezvous(args)
+    with dist.spawn_errors():
+        mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""DistributedDataParallel started by torch.multiprocessing.spawn: ResNet-18 on CIFAR-100, no launcher needed.
+
+    python distributed_mp.py                                  # one process per visible GPU (2 on a CPU)
+    CUDA_VISIBLE_DEVICES=0,1 python distributed_mp.py         # the GPUs 0 and 1
+    python distributed_mp.py --nnodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500   # on machine 0 of 2
+"""
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from utils import checkpoint, data, dist, flags, metrics, models, syncbn
+from utils.errors import exit_on_usage_error
+from utils.progress import EpochProgress
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    flags.add_spawn_flags(parser, "processes on this machine; default: one per visible GPU, or 2 on the CPU")
+    return flags.parse(parser, argv)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env):
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # DDP averages the gradients over all ranks, bucket by bucket, during backward
+        optimizer.step()
+        progress.record(loss)
+
+
+def train(args, env):
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    data.prepare(args, env)
+    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    pin = env.device.type == "cuda"
+    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
+    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device)
+    if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+        model = syncbn.convert(model, env.device)
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+
+    if args.evaluate:
+        snapshots.load_weights()
+        results = metrics.evaluate(model.module, test_loader, env.device)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        return
+    start_epoch, start_step = snapshots.resume()
+    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    for epoch in range(start_epoch, args.epochs):
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
+                                 start_step)
+        train_one_epoch(model, criterion, optimizer, progress, env)
+        lr = scheduler.get_last_lr()[0]
+        scheduler.step()
+        results = metrics.evaluate(model.module, test_loader, env.device)  # the unwrapped module: see there
+        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
+        snapshots.save(epoch + 1)
+        start_step = 0
+
+
+def worker(local_rank, args):
+    """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
+    with exit_on_usage_error():
+        env = dist.init_process(args, local_rank)
+        try:
+            train(args, env)
+        finally:
+            dist.teardown()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with exit_on_usage_error():  # check all that can be checked before starting any process
+        args.nprocs = args.nprocs or dist.default_nprocs(args.device)
+        dist.check_launch(args, local_processes=args.nprocs)
+        flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs)
+        data.prepare(args, env=None)
+        dist.prepare_rendezvous(args)
+    with dist.spawn_errors():
+        mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""Snapshots: all a run needs to continue, written atomically by rank 0, read with weights_only=True.
+
+A snapshot holds the weights (without DDP's "module." prefix), optimizer, scheduler and, where there
+is one, the GradScaler, with the epoch and step reached. It holds no RNG state because none is
+needed: the data order and the augmentation are functions of (--seed, epoch, index) (utils/data.py).
+"""
+import os
+import pickle
+import zipfile
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from utils.errors import UsageError
+from utils.models import ARCH
+
+FILENAME = "checkpoint.pt"
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model inside a DDP or DataParallel wrapper, whose state_dict has no "module." prefix."""
+    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+
+
+def save_atomic(state: dict, path: str) -> None:
+    """Write to a temporary file, flush it to disk, then rename: a crash leaves the old file whole."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(directory)  # make the rename itself durable
+    finally:
+        os.close(directory)
+
+
+def load(path: str) -> dict:
+    """A snapshot as saved; anything unreadable is a UsageError and the file stays as it is."""
+    if not os.path.isfile(path):
+        raise UsageError(f"no snapshot at {path}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"{path} is not a readable snapshot ({reason[:160]}); it was left untouched") from None
+    if not isinstance(state, dict) or state.get("arch") != ARCH or "model" not in state:
+        raise UsageError(f"{path} is not a {ARCH} snapshot of these scripts; it was left untouched")
+    return state
+
+
+def load_weights(model: nn.Module, state: dict, path: str) -> None:
+    try:
+        unwrap(model).load_state_dict(state["model"])
+    except RuntimeError as e:
+        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+        raise UsageError(f"{path} holds weights of another architecture ({first[:160]})") from None
+
+
+class Snapshots:
+    """The snapshot of one run in <output-dir>/checkpoint.pt: save on rank 0, load on every rank."""
+
+    def __init__(self, args, env, script: str, **parts):
+        self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
+        self.path = os.path.join(args.output_dir, FILENAME)
+
+    def load_weights(self) -> None:
+        """For --evaluate: only the model's weights, from a snapshot of any of the scripts."""
+        load_weights(self.parts["model"], load(self.path), self.path)
+
+    def resume(self) -> tuple[int, int]:
+        """Restore every part from the snapshot, if there is one; return the (epoch, step) to start at."""
+        if not os.path.exists(self.path):
+            return 0, 0
+        state = load(self.path)
+        if state.get("script") != self.script:
+            raise UsageError(f"{self.path} was written by {state.get('script')}, not {self.script}; "
+                             "use another --output-dir (or --evaluate to test its weights)")
+        if state.get("seed") != self.args.seed:
+            raise UsageError(f"{self.path} is a run with --seed {state.get('seed')}, not {self.args.seed}")
+        load_weights(self.parts["model"], state, self.path)
+        for name, part in self.parts.items():
+            if name != "model" and part is not None:
+                part.load_state_dict(state[name])
+        return state["epoch"], state["step"]
+
+    def save(self, epoch: int, step: int = 0) -> None:
+        """`epoch` epochs and `step` steps of the next one are done (rank 0 writes, the others return)."""
+        if not self.env.is_main:
+            return
+        state = {name: (unwrap(part) if name == "model" else part).state_dict()
+                 for name, part in self.parts.items() if part is not None}
+        state.update(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
+                     world_size=self.env.world_size, batch_size=self.args.batch_size)
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        save_atomic(state, self.path)

@@ -1,0 +1,146 @@
+"""The process group: device and backend choice, rank layout, start-up checks and tear-down."""
+import contextlib
+import datetime
+import os
+import socket
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from utils.errors import UsageError
+
+
+@dataclass(frozen=True)
+class Env:
+    rank: int  # this process among all processes of the job
+    local_rank: int  # this process among those of its machine; picks its GPU
+    world_size: int  # number of processes of the job
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def resolve_device(flag: str) -> str:
+    """'cuda' or 'cpu' for --device; asking for cuda without a visible GPU is a UsageError."""
+    if flag == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda, but no GPU is visible (check CUDA_VISIBLE_DEVICES); use --device cpu")
+    if flag == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return flag
+
+
+def resolve_backend(flag: str, device_type: str) -> str:
+    if flag == "nccl" and device_type != "cuda":
+        raise UsageError("--backend nccl needs GPUs, and this run is on the CPU; use --backend gloo")
+    if flag == "auto":
+        return "nccl" if device_type == "cuda" else "gloo"
+    return flag
+
+
+def check_launch(args, local_processes: int, gpu_count: int | None = None) -> None:
+    """Everything about the launch that can be wrong before a process group exists."""
+    device_type = resolve_device(args.device)
+    backend = resolve_backend(args.backend, device_type)
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if device_type == "cuda" and local_processes > gpus:
+        raise UsageError(f"{local_processes} processes on this machine but only {gpus} GPU(s) visible; "
+                         f"{backend} needs one GPU per process (lower --nprocs or use --device cpu)")
+
+
+def init_process(args, local_rank: int | None = None) -> Env:
+    """Join the process group. local_rank=None: started by torchrun/launch/srun, the environment says
+    who we are (a plain `python script.py` is a world of one). Otherwise: started by mp.spawn."""
+    device_type = resolve_device(args.device)
+    backend = resolve_backend(args.backend, device_type)
+    timeout = datetime.timedelta(seconds=args.dist_timeout)
+    if local_rank is None:
+        rank = int(os.environ.get("RANK", 0))
+        world_size = int(os.environ.get("WORLD_SIZE", 1))
+        local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+        init = {"init_method": "env://"} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore()}
+        if world_size > 1 and "MASTER_ADDR" not in os.environ:
+            raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
+    else:
+        rank = args.node_rank * args.nprocs + local_rank
+        world_size = args.nnodes * args.nprocs
+        init = {"init_method": f"tcp://{args.ip}:{args.port}"}
+        os.environ["RANK"] = str(rank)  # so errors.report lets only rank 0 speak
+    if device_type == "cuda" and local_rank >= torch.cuda.device_count():
+        raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
+                         f"{backend} needs one GPU per process; start fewer processes or use --device cpu")
+    device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **init)
+    return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port(ip: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
+def check_port_free(ip: str, port: int) -> None:
+    """The rendezvous store listens on ip:port on node 0; a busy port would fail deep in c10d."""
+    with socket.socket() as s:
+        try:
+            s.bind((ip, port))
+        except OSError as error:
+            raise UsageError(f"cannot listen on {ip}:{port} ({error.strerror}); choose another --port") from None
+
+
+def prepare_rendezvous(args) -> None:
+    """On the machine that hosts the rendezvous, pick a free port (or check the given one)."""
+    if args.node_rank == 0:
+        if args.port is None:
+            args.port = free_port(args.ip)
+        else:
+            check_port_free(args.ip, args.port)
+
+
+def default_nprocs(device_flag: str) -> int:
+    """One process per visible GPU; on the CPU two processes, enough to show DDP at work."""
+    return torch.cuda.device_count() if resolve_device(device_flag) == "cuda" else 2
+
+
+@contextlib.contextmanager
+def spawn_errors():
+    """mp.spawn stops the other processes when one fails; show that rank's error, not a wall."""
+    try:
+        yield
+    except mp.ProcessExitedException as error:  # a rank exited: with 2 it has already said why
+        if error.exit_code != 2:
+            print(f"error: {error}", file=sys.stderr)
+        sys.exit(error.exit_code if error.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
+        print(error, file=sys.stderr)
+        sys.exit(1)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks in place (a no-op in a world of one), and return it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
+def all_ok(ok: bool, device: torch.device) -> bool:
+    """True on every rank iff it is true on every rank: one collective, so no rank is left waiting."""
+    flag = torch.tensor([0.0 if ok else 1.0], device=device)
+    return all_reduce_sum(flag).item() == 0

@@ -1,0 +1,70 @@
+"""Exact evaluation over all ranks, and the per-epoch metrics file."""
+import contextlib
+import json
+import os
+
+import torch
+import torch.nn.functional as F
+
+from utils import dist
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None) -> dict:
+    """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size.
+
+    Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
+    and DDP's forward would wait on the others at a step they never take. Each rank counts hits and
+    the loss sum on its shard; one all-reduce of the counts gives the exact totals (averaging per-batch
+    accuracies across ranks would weight batches, not samples)."""
+    model.eval()
+    totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
+    amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        with amp:
+            logits = model(images)
+        logits = logits.float()
+        hits = logits.topk(5, dim=1).indices == targets[:, None]
+        totals += torch.stack([F.cross_entropy(logits, targets, reduction="sum").double(),
+                               hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
+                               torch.tensor(len(targets), dtype=torch.float64, device=device)])
+    loss_sum, top1, top5, count = dist.all_reduce_sum(totals).tolist()
+    count = max(count, 1)
+    return {"test_loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
+            "samples": int(count)}
+
+
+class MetricsLog:
+    """<output-dir>/metrics.jsonl, one JSON object per epoch, written by rank 0."""
+
+    def __init__(self, output_dir: str, is_main: bool, done_epochs: int):
+        self.path, self.is_main = os.path.join(output_dir, "metrics.jsonl"), is_main
+        if is_main:  # keep the epochs the snapshot has; drop any written after it (a crash in between)
+            os.makedirs(output_dir, exist_ok=True)
+            kept = []
+            if done_epochs and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= done_epochs]
+            with open(self.path, "w") as f:
+                f.writelines(kept)
+
+    def write(self, record: dict) -> None:
+        if not self.is_main:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        print(f"epoch {record['epoch']}: train_loss {record['train_loss']:.4f}  test_loss {record['test_loss']:.4f}"
+              f"  top1 {record['top1']:.2f}%  top5 {record['top5']:.2f}%  {record['epoch_time_s']:.1f}s"
+              f"  {record['images_per_s']:.0f} img/s  lr {record['lr']:.4g}", flush=True)
+
+
+def write_eval(output_dir: str, results: dict, is_main: bool) -> None:
+    """<output-dir>/eval.json after --evaluate."""
+    if not is_main:
+        return
+    with open(os.path.join(output_dir, "eval.json"), "w") as f:
+        json.dump(results, f, indent=1)
+    print(f"evaluated {results['samples']} test images: top1 {results['top1']:.2f}%  top5 {results['top5']:.2f}%"
+          f"  test_loss {results['test_loss']:.4f}", flush=True)

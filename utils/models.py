@@ -1,0 +1,28 @@
+"""ResNet-18 for 32x32 images, and the optimiser and schedule every script trains it with."""
+import torch
+import torchvision
+from torch import nn
+
+from utils.data import NUM_CLASSES
+
+ARCH = "resnet18-cifar"
+
+
+def resnet18_cifar(num_classes: int = NUM_CLASSES) -> nn.Module:
+    """torchvision's ResNet-18 with the usual CIFAR stem: a 3x3 stride-1 first convolution and no
+    max-pool, so 32x32 inputs keep their resolution into the first stage (ImageNet's stem would
+    shrink them to 8x8)."""
+    model = torchvision.models.resnet18(num_classes=num_classes)
+    model.conv1 = nn.Conv2d(3, 64, kernel_size=3, stride=1, padding=1, bias=False)
+    nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision inits
+    model.maxpool = nn.Identity()
+    return model
+
+
+def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, **extra):
+    """SGD with momentum and weight decay, learning rate on a cosine from --lr to 0 over the epochs
+    (stepped once per epoch with scheduler.step(), the non-deprecated form)."""
+    optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
+                                weight_decay=args.weight_decay, **extra)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
+    return optimizer, scheduler

@@ -1,0 +1,101 @@
+"""SyncBatchNorm: batch statistics over the global batch instead of each rank's share of it.
+
+On GPUs this is torch.nn.SyncBatchNorm. It refuses CPU modules under DDP ("SyncBatchNorm layers
+only work with GPU modules"), so for gloo runs CpuSyncBatchNorm below does the same arithmetic with
+two all-reduces per layer: the per-channel statistics in forward, the gradient sums in backward.
+It subclasses BatchNorm2d, so its state_dict keys are BatchNorm's and checkpoints move freely
+between CPU runs, GPU runs and plain BatchNorm.
+"""
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+def convert(model: nn.Module, device: torch.device) -> nn.Module:
+    """Every BatchNorm layer of `model` made synchronous, with torch's layer on GPU and ours on CPU."""
+    if device.type == "cuda":
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return CpuSyncBatchNorm.convert(model)
+
+
+class CpuSyncBatchNorm(nn.BatchNorm2d):
+    """BatchNorm2d whose training-mode statistics span all ranks of the default process group.
+
+    In eval mode, or in a world of one, it is plain BatchNorm2d and communicates nothing."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if not self.training or world == 1:
+            return super().forward(x)
+        self._check_input_dim(x)
+        y, mean, var, count = _SyncBatchNormFunction.apply(x, self.weight, self.bias, self.eps)
+        if self.track_running_stats:
+            self.num_batches_tracked.add_(1)
+            # momentum=None means a cumulative average, as in BatchNorm
+            factor = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
+            with torch.no_grad():
+                unbiased = var * (count / (count - 1).clamp_min(1))
+                self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
+                self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
+        return y
+
+    @classmethod
+    def convert(cls, module: nn.Module) -> nn.Module:
+        """A copy-free conversion: each BatchNorm2d is replaced by a CpuSyncBatchNorm sharing its tensors."""
+        if isinstance(module, nn.BatchNorm2d) and not isinstance(module, cls):
+            new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            new.load_state_dict(module.state_dict())
+            new.train(module.training)
+            return new
+        for name, child in module.named_children():
+            module.add_module(name, cls.convert(child))
+        return module
+
+
+class _SyncBatchNormFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        dims = [0] + list(range(2, x.dim()))  # every dimension but the channels
+        n = x.numel() // x.size(1)
+        var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
+        # One all-reduce of [n, n*mean, n*(var + mean^2)] in float64; the global variance is
+        # E[x^2] - mean^2 of the combined sums, exact enough in float64 from stable local moments.
+        stats = torch.cat([torch.tensor([float(n)], dtype=torch.float64), (n * mean).double(),
+                           (n * (var + mean * mean)).double()])
+        dist.all_reduce(stats)
+        count = stats[0]
+        channels = x.size(1)
+        mean64 = stats[1:1 + channels] / count
+        var64 = (stats[1 + channels:] / count - mean64 * mean64).clamp_min(0)
+        mean, var = mean64.float(), var64.float()
+        invstd = torch.rsqrt(var + eps)
+        shape = [1, channels] + [1] * (x.dim() - 2)
+        xhat = (x.float() - mean.view(shape)) * invstd.view(shape)
+        y = xhat
+        if weight is not None:
+            y = y * weight.float().view(shape) + bias.float().view(shape)
+        ctx.save_for_backward(xhat, weight, invstd)
+        ctx.count = count.item()
+        count = count.float().view(1)
+        ctx.mark_non_differentiable(mean, var, count)
+        return y.to(x.dtype), mean, var, count
+
+    @staticmethod
+    def backward(ctx, grad_y, _grad_mean, _grad_var, _grad_count):
+        xhat, weight, invstd = ctx.saved_tensors
+        dims = [0] + list(range(2, xhat.dim()))
+        shape = [1, xhat.size(1)] + [1] * (xhat.dim() - 2)
+        dy = grad_y.float()
+        sum_dy = dy.sum(dims)
+        sum_dy_xhat = (dy * xhat).sum(dims)
+        # Each rank holds the gradient of its own loss; the input gradient needs the sums over all
+        # ranks. The weight and bias gradients stay local: DDP averages them with the others.
+        sums = torch.cat([sum_dy, sum_dy_xhat])
+        dist.all_reduce(sums)
+        global_dy, global_dy_xhat = sums.chunk(2)
+        scale = invstd if weight is None else invstd * weight.float()
+        grad_x = scale.view(shape) * (dy - (global_dy / ctx.count).view(shape)
+                                      - xhat * (global_dy_xhat / ctx.count).view(shape))
+        grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
+        grad_bias = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
+        return grad_x.to(grad_y.dtype), grad_weight, grad_bias, None
