@@ -48,8 +48,8 @@ def train(args, env, gpus):
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar().to(env.device)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
-    # needs DDP). Without a GPU it is a pass-through and the CPU trains the model alone.
-    model = nn.DataParallel(model, device_ids=gpus or None)
+    # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
+    model = nn.DataParallel(model, device_ids=gpus) if gpus else model
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)

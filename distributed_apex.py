@@ -136,6 +136,7 @@ def main(argv=None):
         dist.check_launch(args, local_processes=args.nprocs)
         flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs)
         data.prepare(args, env=None)
+        checkpoint.check_before_start(args, __file__)
         dist.prepare_rendezvous(args)
     with dist.spawn_errors():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

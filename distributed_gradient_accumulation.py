@@ -3,8 +3,9 @@
     python distributed_gradient_accumulation.py --grad-accu-steps 4   # each rank's batch in 4 micro-batches
     torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py --grad-accu-steps 4
 
-The optimizer step sees the same gradient as without accumulation (the loss of each micro-batch is
-divided by their number), while only a quarter of the batch is in memory at a time. DDP would
+The optimizer step sees the gradient of the whole batch (the loss of each micro-batch is divided by
+their number), while only 1/k of the batch is in memory at a time; exactly so for layers without batch
+statistics, while BatchNorm normalises each micro-batch by its own statistics. DDP would
 all-reduce after every backward; under model.no_sync() it only accumulates, so gradients cross the
 network once per optimizer step, after the last micro-batch.
 """
@@ -108,6 +109,7 @@ def main(argv=None):
         dist.check_launch(args, local_processes=args.nprocs)
         micro_batches(flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs), args.grad_accu_steps)
         data.prepare(args, env=None)
+        checkpoint.check_before_start(args, __file__)
         dist.prepare_rendezvous(args)
     with dist.spawn_errors():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

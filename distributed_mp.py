@@ -3,6 +3,7 @@
     python distributed_mp.py                                  # one process per visible GPU (2 on a CPU)
     CUDA_VISIBLE_DEVICES=0,1 python distributed_mp.py         # the GPUs 0 and 1
     python distributed_mp.py --nnodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500   # on machine 0 of 2
+    torchrun --standalone --nproc_per_node=2 distributed_mp.py   # torchrun's processes: spawns none
 """
 import torch
 import torch.multiprocessing as mp
@@ -81,11 +82,14 @@ def worker(local_rank, args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if dist.launched_by_torchrun():  # torchrun started this process as one rank: start no others
+        return worker(None, args)
     with exit_on_usage_error():  # check all that can be checked before starting any process
         args.nprocs = args.nprocs or dist.default_nprocs(args.device)
         dist.check_launch(args, local_processes=args.nprocs)
         flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs)
         data.prepare(args, env=None)
+        checkpoint.check_before_start(args, __file__)
         dist.prepare_rendezvous(args)
     with dist.spawn_errors():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

@@ -60,6 +60,24 @@ def load_weights(model: nn.Module, state: dict, path: str) -> None:
         raise UsageError(f"{path} holds weights of another architecture ({first[:160]})") from None
 
 
+def check_same_run(state: dict, args, script: str, path: str) -> None:
+    """A snapshot continues only the run that wrote it: same script, same seed."""
+    if state.get("script") != os.path.basename(script):
+        raise UsageError(f"{path} was written by {state.get('script')}, not {os.path.basename(script)}; "
+                         "use another --output-dir (or --evaluate to test its weights)")
+    if state.get("seed") != args.seed:
+        raise UsageError(f"{path} is a run with --seed {state.get('seed')}, not {args.seed}")
+
+
+def check_before_start(args, script: str) -> None:
+    """Fail before any process starts if the snapshot that --evaluate or a resume would read is unusable."""
+    path = os.path.join(args.output_dir, FILENAME)
+    if args.evaluate or os.path.exists(path):
+        state = load(path)
+        if not args.evaluate:
+            check_same_run(state, args, script, path)
+
+
 class Snapshots:
     """The snapshot of one run in <output-dir>/checkpoint.pt: save on rank 0, load on every rank."""
 
@@ -76,11 +94,7 @@ class Snapshots:
         if not os.path.exists(self.path):
             return 0, 0
         state = load(self.path)
-        if state.get("script") != self.script:
-            raise UsageError(f"{self.path} was written by {state.get('script')}, not {self.script}; "
-                             "use another --output-dir (or --evaluate to test its weights)")
-        if state.get("seed") != self.args.seed:
-            raise UsageError(f"{self.path} is a run with --seed {state.get('seed')}, not {self.args.seed}")
+        check_same_run(state, self.args, self.script, self.path)
         load_weights(self.parts["model"], state, self.path)
         for name, part in self.parts.items():
             if name != "model" and part is not None:

@@ -103,14 +103,13 @@ def synthetic(n: int, train: bool, chunk: int = 1000):
     patterns = torch.rand(NUM_CLASSES, 3, 4, 4, generator=torch.Generator().manual_seed(1234)) * 255
     patterns = F.interpolate(patterns, size=32, mode="bilinear", align_corners=False)
     images, targets = [], []
-    for start in range(0, n, chunk):
-        size = min(chunk, n - start)
+    for start in range(0, n, chunk):  # whole chunks only, so a chunk's draws never depend on n
         g = torch.Generator().manual_seed(2 * (start // chunk) + int(train))
-        labels = torch.randint(0, NUM_CLASSES, (size,), generator=g)
-        noise = torch.randn(size, 3, 32, 32, generator=g) * 48
+        labels = torch.randint(0, NUM_CLASSES, (chunk,), generator=g)
+        noise = torch.randn(chunk, 3, 32, 32, generator=g) * 48
         images.append((patterns[labels] + noise).clamp(0, 255).to(torch.uint8))
         targets.append(labels)
-    return torch.cat(images), torch.cat(targets)
+    return torch.cat(images)[:n], torch.cat(targets)[:n]
 
 
 class ResumableSampler(DistributedSampler):

@@ -1,6 +1,7 @@
 """The process group: device and backend choice, rank layout, start-up checks and tear-down."""
 import contextlib
 import datetime
+import logging
 import os
 import socket
 import sys
@@ -122,6 +123,7 @@ def default_nprocs(device_flag: str) -> int:
 @contextlib.contextmanager
 def spawn_errors():
     """mp.spawn stops the other processes when one fails; show that rank's error, not a wall."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N"
     try:
         yield
     except mp.ProcessExitedException as error:  # a rank exited: with 2 it has already said why

@@ -68,6 +68,7 @@ def add_spawn_flags(parser: Parser, default_nprocs_help: str) -> None:
     add("--node-rank", type=non_negative_int, default=0, help="this machine's index, 0..nnodes-1")
     add("--ip", default="127.0.0.1", help="address of the machine with node rank 0 (the rendezvous)")
     add("--port", type=port_number, default=None, help="rendezvous port; default: a free port on one machine")
+    add("--local-rank", type=int, default=None, help="set by torch.distributed.launch; LOCAL_RANK wins")
 
 
 def parse(parser: Parser, argv=None) -> argparse.Namespace:

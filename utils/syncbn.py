@@ -57,23 +57,25 @@ class _SyncBatchNormFunction(torch.autograd.Function):
     def forward(ctx, x, weight, bias, eps):
         dims = [0] + list(range(2, x.dim()))  # every dimension but the channels
         n = x.numel() // x.size(1)
-        var, mean = torch.var_mean(x.float(), dim=dims, unbiased=False)
-        # One all-reduce of [n, n*mean, n*(var + mean^2)] in float64; the global variance is
-        # E[x^2] - mean^2 of the combined sums, exact enough in float64 from stable local moments.
-        stats = torch.cat([torch.tensor([float(n)], dtype=torch.float64), (n * mean).double(),
-                           (n * (var + mean * mean)).double()])
+        dtype = torch.promote_types(x.dtype, torch.float32)  # float16/bfloat16 inputs: statistics in float32
+        var, mean = (m.double() for m in torch.var_mean(x.to(dtype), dim=dims, unbiased=False))
+        # One all-reduce of [n, n*mean, n*(var + mean^2)], in float64 from the first operation: the
+        # global variance is E[x^2] - mean^2, which cancels when |mean| >> std, and in float32 the
+        # variance would be rounded away (off by 1e-3 at mean = 1000 std).
+        stats = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), n * mean,
+                           n * (var + mean * mean)])
         dist.all_reduce(stats)
         count = stats[0]
         channels = x.size(1)
         mean64 = stats[1:1 + channels] / count
         var64 = (stats[1 + channels:] / count - mean64 * mean64).clamp_min(0)
-        mean, var = mean64.float(), var64.float()
+        mean, var = mean64.to(dtype), var64.to(dtype)
         invstd = torch.rsqrt(var + eps)
         shape = [1, channels] + [1] * (x.dim() - 2)
-        xhat = (x.float() - mean.view(shape)) * invstd.view(shape)
+        xhat = (x.to(dtype) - mean.view(shape)) * invstd.view(shape)
         y = xhat
         if weight is not None:
-            y = y * weight.float().view(shape) + bias.float().view(shape)
+            y = y * weight.to(dtype).view(shape) + bias.to(dtype).view(shape)
         ctx.save_for_backward(xhat, weight, invstd)
         ctx.count = count.item()
         count = count.float().view(1)
@@ -85,7 +87,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         xhat, weight, invstd = ctx.saved_tensors
         dims = [0] + list(range(2, xhat.dim()))
         shape = [1, xhat.size(1)] + [1] * (xhat.dim() - 2)
-        dy = grad_y.float()
+        dy = grad_y.to(xhat.dtype)
         sum_dy = dy.sum(dims)
         sum_dy_xhat = (dy * xhat).sum(dims)
         # Each rank holds the gradient of its own loss; the input gradient needs the sums over all
@@ -93,7 +95,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         sums = torch.cat([sum_dy, sum_dy_xhat])
         dist.all_reduce(sums)
         global_dy, global_dy_xhat = sums.chunk(2)
-        scale = invstd if weight is None else invstd * weight.float()
+        scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
         grad_x = scale.view(shape) * (dy - (global_dy / ctx.count).view(shape)
                                       - xhat * (global_dy_xhat / ctx.count).view(shape))
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None

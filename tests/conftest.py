@@ -1,0 +1,70 @@
+"""Helpers for running the scripts through their real launchers in subprocesses."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+# Tiny synthetic runs: 3 optimizer steps of a global batch of 16, a test set that 2 and 3 do not divide.
+TINY = ["--dataset", "synthetic", "--train-samples", "48", "--test-samples", "21", "--batch-size", "16",
+        "--epochs", "1", "--workers", "0", "--print-freq", "1"]
+
+
+def subprocess_env(**extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR",
+                                                            "MASTER_PORT", "LOCAL_WORLD_SIZE")}
+    # CPU tests stay on the CPU on a machine with GPUs too; GPU tests pass CUDA_VISIBLE_DEVICES
+    env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
+    return env
+
+
+def launcher(kind: str, script: str, nprocs: int = 2) -> list[str]:
+    """The command line that starts `script` the way a user would."""
+    path = str(ROOT / script)
+    if kind == "python":
+        return [sys.executable, path]
+    if kind == "spawn":
+        return [sys.executable, path, "--nprocs", str(nprocs)]
+    if kind == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", path]
+    if kind == "launch":  # the deprecated launcher, which passes --local-rank=N to the script
+        return [sys.executable, "-m", "torch.distributed.launch", "--standalone", f"--nproc_per_node={nprocs}",
+                path]
+    raise ValueError(kind)
+
+
+def run(cmd: list[str], timeout: int = 300, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=ROOT, env=subprocess_env(**env), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
+    return result
+
+
+def read_metrics(output_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def load_snapshot(output_dir: Path) -> dict:
+    return torch.load(output_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    """Runs of the scripts on TINY data, each made once per session and shared by the tests."""
+    cache = {}
+
+    def get(name: str, kind: str, script: str, *args: str, nprocs: int = 2) -> Path:
+        if name not in cache:
+            out = tmp_path_factory.mktemp(name)
+            check(run(launcher(kind, script, nprocs) + TINY + list(args) + ["--output-dir", str(out)]))
+            cache[name] = out
+        return cache[name]
+
+    return get

@@ -1,0 +1,26 @@
+"""Run a function on N ranks (gloo by default) in spawned processes and collect what each returns."""
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from utils.dist import free_port
+
+
+def _entry(rank, world_size, port, fn, args, results_dir, backend):
+    torch.set_num_threads(1)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), os.path.join(results_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(world_size, fn, *args, results_dir, backend="gloo"):
+    """fn(rank, world_size, *args) on each rank of a fresh process group; returns the list of results."""
+    os.makedirs(results_dir, exist_ok=True)
+    mp.spawn(_entry, args=(world_size, free_port(), fn, args, str(results_dir), backend), nprocs=world_size)
+    return [torch.load(os.path.join(results_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -1,0 +1,120 @@
+"""The real CIFAR-100 loading code on fake files in the real format; shards, order and augmentation."""
+import hashlib
+import pickle
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+import torchvision
+
+from utils import data
+from utils.errors import UsageError
+
+
+def write_fake_cifar100(root, n_train=30, n_test=11):
+    """cifar-100-python/{train,test,meta} as in the real archive: pickled dicts that load (with
+    encoding="latin1", as torchvision reads the Python 2 pickles) to str keys and uint8 rows."""
+    folder = root / "cifar-100-python"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name, n in (("train", n_train), ("test", n_test)):
+        batch = {"data": rng.integers(0, 256, (n, 3072), dtype=np.uint8),
+                 "fine_labels": rng.integers(0, 100, n).tolist(), "coarse_labels": [0] * n,
+                 "filenames": [f"{i}.png" for i in range(n)], "batch_label": name}
+        (folder / name).write_bytes(pickle.dumps(batch, protocol=2))
+    (folder / "meta").write_bytes(pickle.dumps({"fine_label_names": [f"c{i}" for i in range(100)],
+                                                "coarse_label_names": ["x"] * 20}, protocol=2))
+    return folder
+
+
+def md5(path):
+    return hashlib.md5(path.read_bytes()).hexdigest()
+
+
+def args_for(root, **overrides):
+    return SimpleNamespace(**{"dataset": "cifar100", "data_dir": str(root), "train_samples": None,
+                              "test_samples": None, "no_augment": False, "seed": 0, **overrides})
+
+
+@pytest.fixture
+def fake_cifar(tmp_path, monkeypatch):
+    folder = write_fake_cifar100(tmp_path)
+    # torchvision checks each file's md5 against the real archive's; swap in the fake files' sums only
+    cifar = torchvision.datasets.CIFAR100
+    monkeypatch.setattr(cifar, "train_list", [["train", md5(folder / "train")]])
+    monkeypatch.setattr(cifar, "test_list", [["test", md5(folder / "test")]])
+    monkeypatch.setattr(cifar, "meta", {**cifar.meta, "md5": md5(folder / "meta")})
+    return tmp_path, folder
+
+
+def test_cifar100_files_load_as_normalised_images(fake_cifar):
+    root, folder = fake_cifar
+    raw = pickle.loads((folder / "train").read_bytes())
+    train = data.load(args_for(root, no_augment=True), train=True)
+    test = data.load(args_for(root, test_samples=7), train=False)
+    assert len(train) == 30 and len(test) == 7
+    image, label = train[4]
+    assert image.shape == (3, 32, 32) and image.dtype == torch.float32
+    assert label == raw["fine_labels"][4]
+    pixels = torch.from_numpy(raw["data"][4].reshape(3, 32, 32)).float() / 255  # rows are R, G, B planes
+    expected = (pixels - torch.tensor(data.MEAN)[:, None, None]) / torch.tensor(data.STD)[:, None, None]
+    torch.testing.assert_close(image, expected)
+
+
+def test_corrupt_cifar100_is_a_usage_error(tmp_path):
+    write_fake_cifar100(tmp_path)  # the real md5 sums do not match these files
+    with pytest.raises(UsageError, match="cannot read CIFAR-100"):
+        data.load(args_for(tmp_path), train=True)
+
+
+def test_augmentation_depends_on_seed_epoch_and_index_only():
+    images, targets = data.synthetic(8, train=True)
+    a = data.Images(images, targets, augment=True, seed=0)
+    b = data.Images(images.clone(), targets, augment=True, seed=0)
+    epochs = []
+    for epoch in range(3):
+        a.set_epoch(epoch)
+        b.set_epoch(epoch)
+        epochs.append(torch.stack([a[i][0] for i in range(8)]))
+        assert torch.equal(epochs[-1], torch.stack([b[i][0] for i in reversed(range(8))]).flip(0))
+    assert not torch.equal(epochs[0], epochs[1]) and not torch.equal(epochs[1], epochs[2])
+    plain = data.Images(images, targets, augment=False, seed=0)
+    assert not torch.equal(epochs[0], torch.stack([plain[i][0] for i in range(8)]))
+
+
+def test_synthetic_set_is_a_prefix_and_differs_between_train_and_test():
+    small, small_y = data.synthetic(1500, train=True)
+    large, large_y = data.synthetic(2500, train=True)
+    assert torch.equal(small, large[:1500]) and torch.equal(small_y, large_y[:1500])
+    test, _ = data.synthetic(1500, train=False)
+    assert not torch.equal(small, test)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_global_batches_are_the_same_at_every_world_size(world_size):
+    dataset = data.Images(*data.synthetic(50, train=True), augment=False, seed=0)
+    args = SimpleNamespace(seed=7, workers=0)
+    reference = data.TrainLoader(dataset, 6, 0, 1, args, pin=False)
+    loaders = [data.TrainLoader(dataset, 6 // world_size, r, world_size, args, pin=False) for r in range(world_size)]
+    for epoch in (0, 1):
+        expected = [set(batch) for batch in _indices(reference.epoch(epoch), dataset)]
+        ranks = [list(_indices(loader.epoch(epoch), dataset)) for loader in loaders]
+        assert all(loader.steps == reference.steps == 50 // 6 for loader in loaders)
+        assert [set().union(*(r[k] for r in ranks)) for k in range(reference.steps)] == expected
+
+
+def _indices(loader, dataset):
+    """Each batch as the dataset indices of its images, found by matching pixels."""
+    flat = torch.stack([dataset[i][0] for i in range(len(dataset))]).flatten(1)
+    for images, _ in loader:
+        yield [int((flat == img.flatten()).all(1).nonzero()[0]) for img in images]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_test_shards_cover_the_test_set_exactly_once(world_size):
+    dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
+    args = SimpleNamespace(workers=0)
+    seen = [i for r in range(world_size)
+            for i in data.test_loader(dataset, 4, r, world_size, args, pin=False).dataset.indices]
+    assert sorted(seen) == list(range(10))
