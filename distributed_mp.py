@@ -58,9 +58,11 @@ def train(args, env):
         return
     start_epoch, start_step = snapshots.resume()
     log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    if start_epoch == args.epochs and env.is_main:
+        print(f"nothing left to train: the snapshot has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
         progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
-                                 start_step)
+                                 start_step, snapshots)
         train_one_epoch(model, criterion, optimizer, progress, env)
         lr = scheduler.get_last_lr()[0]
         scheduler.step()

@@ -6,6 +6,7 @@ needed: the data order and the augmentation are functions of (--seed, epoch, ind
 """
 import os
 import pickle
+import time
 import zipfile
 
 import torch
@@ -16,6 +17,9 @@ from utils.errors import UsageError
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
+# The flags that define a run: a snapshot continues only a run with the same values.
+RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "momentum", "weight_decay", "dataset", "train_samples",
+             "no_augment", "no_sync_bn", "opt_level", "amp_dtype", "grad_accu_steps")
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -26,10 +30,14 @@ def unwrap(model: nn.Module) -> nn.Module:
 def save_atomic(state: dict, path: str) -> None:
     """Write to a temporary file, flush it to disk, then rename: a crash leaves the old file whole."""
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        os.remove(tmp)
+        raise
     os.replace(tmp, path)
     directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
     try:
@@ -60,22 +68,41 @@ def load_weights(model: nn.Module, state: dict, path: str) -> None:
         raise UsageError(f"{path} holds weights of another architecture ({first[:160]})") from None
 
 
+def run_flags(args) -> dict:
+    return {name: getattr(args, name) for name in RUN_FLAGS if hasattr(args, name)}
+
+
 def check_same_run(state: dict, args, script: str, path: str) -> None:
-    """A snapshot continues only the run that wrote it: same script, same seed."""
+    """A snapshot continues only the run that wrote it: the same script with the same RUN_FLAGS."""
     if state.get("script") != os.path.basename(script):
         raise UsageError(f"{path} was written by {state.get('script')}, not {os.path.basename(script)}; "
                          "use another --output-dir (or --evaluate to test its weights)")
-    if state.get("seed") != args.seed:
-        raise UsageError(f"{path} is a run with --seed {state.get('seed')}, not {args.seed}")
+    for name, value in run_flags(args).items():
+        saved = state.get("run", {}).get(name, value)
+        if saved != value:
+            flag = "--" + name.replace("_", "-")
+            raise UsageError(f"{path} is a run with {flag} {saved}, not {value}; resume with the same flags, "
+                             "or start afresh with --restart")
+
+
+def to_resume(args) -> str | None:
+    """The snapshot this run continues: --resume, else <output-dir>/checkpoint.pt unless --restart.
+    A restart by torchrun (--max-restarts) always resumes: --restart was meant for the first start."""
+    if args.resume:
+        return args.resume
+    path = os.path.join(args.output_dir, FILENAME)
+    restarted_by_torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
+    if os.path.exists(path) and (restarted_by_torchrun or not args.restart):
+        return path
+    return None
 
 
 def check_before_start(args, script: str) -> None:
     """Fail before any process starts if the snapshot that --evaluate or a resume would read is unusable."""
-    path = os.path.join(args.output_dir, FILENAME)
-    if args.evaluate or os.path.exists(path):
-        state = load(path)
-        if not args.evaluate:
-            check_same_run(state, args, script, path)
+    if args.evaluate:
+        load(os.path.join(args.output_dir, FILENAME))
+    elif path := to_resume(args):
+        check_same_run(load(path), args, script, path)
 
 
 class Snapshots:
@@ -84,30 +111,47 @@ class Snapshots:
     def __init__(self, args, env, script: str, **parts):
         self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
         self.path = os.path.join(args.output_dir, FILENAME)
+        self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
 
     def load_weights(self) -> None:
         """For --evaluate: only the model's weights, from a snapshot of any of the scripts."""
         load_weights(self.parts["model"], load(self.path), self.path)
 
     def resume(self) -> tuple[int, int]:
-        """Restore every part from the snapshot, if there is one; return the (epoch, step) to start at."""
-        if not os.path.exists(self.path):
+        """Restore every part from the snapshot to continue, if any; return the (epoch, step) to start at."""
+        path = to_resume(self.args)
+        if path is None:
+            self._keep_old_snapshot()
             return 0, 0
-        state = load(self.path)
-        check_same_run(state, self.args, self.script, self.path)
-        load_weights(self.parts["model"], state, self.path)
+        state = load(path)
+        check_same_run(state, self.args, self.script, path)
+        load_weights(self.parts["model"], state, path)
         for name, part in self.parts.items():
             if name != "model" and part is not None:
                 part.load_state_dict(state[name])
+        self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
+        if self.env.is_main:
+            print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
+                  f"(snapshot of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
 
-    def save(self, epoch: int, step: int = 0) -> None:
+    def _keep_old_snapshot(self) -> None:
+        """--restart: the old snapshot is renamed, never silently overwritten."""
+        if self.env.is_main and os.path.exists(self.path):
+            stamp = time.strftime("%Y%m%d-%H%M%S")
+            for path in (self.path, os.path.join(self.args.output_dir, "metrics.jsonl")):
+                if os.path.exists(path):
+                    os.replace(path, f"{path}.{stamp}")
+            print(f"--restart: starting afresh; the previous snapshot and metrics are kept as *.{stamp}", flush=True)
+
+    def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
         """`epoch` epochs and `step` steps of the next one are done (rank 0 writes, the others return)."""
         if not self.env.is_main:
             return
         state = {name: (unwrap(part) if name == "model" else part).state_dict()
                  for name, part in self.parts.items() if part is not None}
         state.update(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
+                     epoch_loss=list(epoch_loss), run=run_flags(self.args),
                      world_size=self.env.world_size, batch_size=self.args.batch_size)
         os.makedirs(self.args.output_dir, exist_ok=True)
         save_atomic(state, self.path)

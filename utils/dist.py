@@ -63,9 +63,11 @@ def init_process(args, local_rank: int | None = None) -> Env:
         rank = int(os.environ.get("RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
-        init = {"init_method": "env://"} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore()}
         if world_size > 1 and "MASTER_ADDR" not in os.environ:
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
+        init = {"init_method": "env://"} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore()}
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            init = {"store": _agent_store(timeout)}
     else:
         rank = args.node_rank * args.nprocs + local_rank
         world_size = args.nnodes * args.nprocs
@@ -79,6 +81,15 @@ def init_process(args, local_rank: int | None = None) -> Env:
         torch.cuda.set_device(device)
     dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **init)
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def _agent_store(timeout) -> dist.Store:
+    """torchrun's store, with a key prefix per restart attempt. The agent keeps one store across
+    --max-restarts, and without the prefix a restarted rank can read the address a rank of the killed
+    group published and fail to connect to it (a race; pytorch/pytorch#167288)."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def teardown() -> None:

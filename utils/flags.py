@@ -50,6 +50,12 @@ def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
     add("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
     add("--evaluate", action="store_true",
         help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
+    add("--save-every-steps", type=non_negative_int, default=0, metavar="N",
+        help="also snapshot every N steps within an epoch (0: only at the end of each epoch)")
+    add("--resume", default=None, metavar="PATH",
+        help="continue from this snapshot (default: <output-dir>/checkpoint.pt, when there is one)")
+    add("--restart", action="store_true",
+        help="start afresh although <output-dir> holds a snapshot; the old one is kept, renamed")
     if distributed:
         add("--backend", choices=["auto", "nccl", "gloo"], default="auto",
             help="process-group backend; auto: nccl on GPU, gloo on CPU")

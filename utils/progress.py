@@ -12,12 +12,19 @@ from utils import dist
 
 
 class EpochProgress:
-    def __init__(self, batches, steps: int, env, args, epoch: int, start_step: int = 0):
+    """Iterate over one epoch's batches, from `start_step` on; with `snapshots`, save one every
+    --save-every-steps steps, and on a mid-epoch resume carry on the epoch's loss from the snapshot."""
+
+    def __init__(self, batches, steps: int, env, args, epoch: int, start_step: int = 0, snapshots=None):
         self.batches, self.env, self.print_freq = batches, env, args.print_freq
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
         self.global_batch = args.batch_size
-        self.loss_sum = torch.zeros((), device=env.device)
-        self.recorded = 0
+        self.snapshots, self.save_every = snapshots, getattr(args, "save_every_steps", 0)
+        loss_sum, count = snapshots.epoch_loss if snapshots and start_step else (0.0, 0.0)
+        # each rank carries 1/W of the saved totals, so the epoch's all-reduce adds them once
+        self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
+        self.loss_count = count / env.world_size
+        self.recorded = 0  # steps taken by this process, for its throughput
         bar_wanted = env.is_main and sys.stderr.isatty()
         self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{args.epochs}",
                         leave=False, dynamic_ncols=True) if bar_wanted else None
@@ -29,6 +36,7 @@ class EpochProgress:
     def record(self, loss: torch.Tensor) -> None:
         """Call once per optimizer step with that step's mean training loss."""
         self.loss_sum += loss.detach().float()
+        self.loss_count += 1
         self.recorded += 1
         self.step += 1
         if self.bar:
@@ -40,12 +48,18 @@ class EpochProgress:
             else:
                 print(f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total} "
                       f"loss {loss.item():.4f} {rate:.0f} img/s", flush=True)
+        if self.snapshots and self.save_every and self.step % self.save_every == 0 and self.step < self.total:
+            self.snapshots.save(self.epoch, self.step, self.loss_so_far())  # the epoch's end saves by itself
+
+    def loss_so_far(self) -> tuple[float, float]:
+        """(sum, count) of the epoch's losses over all ranks: an all-reduce every rank joins."""
+        totals = dist.all_reduce_sum(torch.stack([self.loss_sum.double(), torch.tensor(
+            float(self.loss_count), dtype=torch.float64, device=self.env.device)]))
+        return tuple(totals.tolist())
 
     def summary(self) -> dict:
         """Mean training loss over all ranks and steps, time and throughput (one all-reduce)."""
-        totals = dist.all_reduce_sum(torch.stack([self.loss_sum, torch.tensor(
-            float(self.recorded), device=self.env.device)]).double())
-        loss_sum, count = totals.tolist()  # waits for the device, so the time below is honest
+        loss_sum, count = self.loss_so_far()  # waits for the device, so the time below is honest
         seconds = time.perf_counter() - self.start
         if self.bar:
             self.bar.close()

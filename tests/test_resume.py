@@ -1,0 +1,226 @@
+"""Snapshots and resume: a killed rank costs the steps since the last snapshot, never the run."""
+import os
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import ROOT, check, launcher, load_snapshot, read_metrics, run, subprocess_env
+from torch import nn
+
+from utils import checkpoint
+from utils.errors import UsageError
+
+# 2 epochs of 6 steps, a snapshot every 2 steps; lr 0.01 keeps float32 runs at other world sizes close
+RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
+       "--epochs", "2", "--lr", "0.01", "--workers", "0", "--print-freq", "1", "--save-every-steps", "2"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-rank run (torchrun and spawn give the same weights to the bit)."""
+    out = tmp_path_factory.mktemp("reference")
+    check(run(launcher("torchrun", "distributed.py") + RUN + ["--output-dir", str(out)]))
+    return out
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found += [int(entry.name)] + children(int(entry.name))
+    return found
+
+
+def is_rank(pid: int, rank: int) -> bool:
+    """A worker process of rank `rank`: torchrun exports RANK; spawn's workers are counted in start order."""
+    try:
+        environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+        cmdline = (Path("/proc") / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+    return f"RANK={rank}".encode() in environ or (b"spawn_main" in cmdline and rank == -1)
+
+
+def run_and_kill(cmd: list[str], kill_after_line: str, rank: int):
+    """Start cmd; when rank 0 prints kill_after_line, SIGKILL a worker. Returns (process result, output,
+    seconds from the kill to the first training step after it)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    output, killed_at, back_after = [], None, None
+    for line in proc.stdout:
+        output.append(line)
+        if killed_at is None and kill_after_line in line:
+            workers = [p for p in children(proc.pid) if is_rank(p, rank)]
+            os.kill(workers[-1], signal.SIGKILL)
+            killed_at = time.perf_counter()
+        elif killed_at and back_after is None and " step " in line and "loss" in line:
+            back_after = time.perf_counter() - killed_at
+    proc.wait(timeout=300)
+    assert killed_at, "".join(output)
+    return proc, "".join(output), back_after
+
+
+def without_progress(output: str) -> str:
+    return "\n".join(line for line in output.splitlines() if " step " not in line)[-6000:]
+
+
+def assert_same_weights_bit_for_bit(a: Path, b: Path):
+    expected, got = load_snapshot(a), load_snapshot(b)
+    assert (got["epoch"], got["step"]) == (expected["epoch"], expected["step"]) == (2, 0)
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+    for want, have in zip(expected["optimizer"]["state"].values(), got["optimizer"]["state"].values(),
+                          strict=True):
+        assert torch.equal(have["momentum_buffer"], want["momentum_buffer"])
+
+
+def test_torchrun_restarts_a_killed_rank_and_the_run_ends_as_if_never_killed(reference, tmp_path):
+    cmd = [*launcher("torchrun", "distributed.py")[:3], "--max-restarts=1", *launcher("torchrun", "distributed.py")[3:]]
+    proc, output, back_after = run_and_kill(cmd + RUN + ["--output-dir", str(tmp_path)], "epoch 1/2 step 3/6",
+                                            rank=1)
+    assert proc.returncode == 0, without_progress(output)
+    # the kill lands after step 3, during step 4: the last whole snapshot is step 2 (or 4, if it was written)
+    assert "resuming from" in output and ("epoch 1, step 2" in output or "epoch 1, step 4" in output), output
+    print(f"\nfrom the kill to training again: {back_after:.1f} s")
+    assert_same_weights_bit_for_bit(reference, tmp_path)
+    assert [r["epoch"] for r in read_metrics(tmp_path)] == [1, 2]
+    for got, want in zip(read_metrics(tmp_path), read_metrics(reference), strict=True):
+        assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)  # the whole epoch's mean
+
+
+def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
+    out = tmp_path / "run"
+    cmd = launcher("spawn", "distributed_mp.py") + RUN + ["--output-dir", str(out)]
+    proc, output, _ = run_and_kill(cmd, "epoch 2/2 step 3/6", rank=-1)
+    # mp.spawn stops the other rank, and the user learns which one died and how
+    assert proc.returncode != 0 and "terminated with signal SIGKILL" in output, without_progress(output)
+    assert not [p for p in children(proc.pid)]
+    elastic = tmp_path / "elastic"
+    shutil.copytree(out, elastic)
+    again = check(run(cmd))
+    assert "resuming from" in again.stdout and "epoch 2, step 2" in again.stdout, again.stdout
+    assert_same_weights_bit_for_bit(reference, out)
+
+    # the same snapshot continued by 1 process: same global batch, from the same step
+    one = check(run(launcher("spawn", "distributed_mp.py", nprocs=1) + RUN + ["--output-dir", str(elastic)]))
+    assert "epoch 2, step 2" in one.stdout
+    snapshot = load_snapshot(elastic)
+    assert snapshot["world_size"] == 1 and snapshot["batch_size"] == 16 and snapshot["epoch"] == 2
+    metrics = read_metrics(elastic)
+    assert [r["world_size"] for r in metrics] == [2, 1]
+    assert metrics[1]["train_loss"] == pytest.approx(read_metrics(reference)[1]["train_loss"], rel=1e-2)
+
+
+def test_restart_keeps_the_old_snapshot(reference, tmp_path):
+    out = tmp_path / "out"
+    shutil.copytree(reference, out)
+    before = (out / "checkpoint.pt").read_bytes()
+    check(run(launcher("python", "distributed.py") + RUN + ["--epochs", "1", "--train-samples", "16", "--restart",
+                                                            "--output-dir", str(out)]))
+    kept = [p for p in out.iterdir() if p.name.startswith("checkpoint.pt.")]
+    assert len(kept) == 1 and kept[0].read_bytes() == before
+    assert load_snapshot(out)["epoch"] == 1
+
+
+def test_resume_from_a_named_snapshot(reference, tmp_path):
+    result = check(run(launcher("python", "distributed.py") + RUN + [
+        "--resume", str(reference / "checkpoint.pt"), "--output-dir", str(tmp_path)]))
+    assert "nothing left to train" in result.stdout
+    assert not (tmp_path / "checkpoint.pt").exists() or load_snapshot(tmp_path)["epoch"] == 2
+
+
+def test_resume_with_other_flags_is_refused(reference, tmp_path):
+    shutil.copytree(reference, tmp_path / "out")
+    result = run(launcher("python", "distributed.py") + RUN + ["--lr", "0.1", "--output-dir", str(tmp_path / "out")])
+    assert result.returncode == 2 and "--lr 0.01" in result.stderr and "--restart" in result.stderr
+
+
+def tiny_snapshots(tmp_path, model):
+    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False)
+    env = SimpleNamespace(is_main=True, world_size=1)
+    return checkpoint.Snapshots(args, env, "distributed.py", model=model)
+
+
+def test_a_crash_while_writing_leaves_the_previous_snapshot_loadable(tmp_path, monkeypatch):
+    model = nn.Linear(3, 2)
+    snapshots = tiny_snapshots(tmp_path, model)
+    snapshots.save(1)
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+
+    def dies_halfway(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a snapshot")
+        raise KeyboardInterrupt  # the process is stopped mid-write
+
+    monkeypatch.setattr(torch, "save", dies_halfway)
+    with pytest.raises(KeyboardInterrupt):
+        snapshots.save(2)
+    monkeypatch.undo()
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+    assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["epoch"] == 1
+
+
+def test_truncated_and_foreign_snapshots_are_refused_untouched(reference, tmp_path):
+    data = (reference / "checkpoint.pt").read_bytes()
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(data[: len(data) // 2])
+    with pytest.raises(UsageError, match="not a readable snapshot"):
+        checkpoint.load(str(truncated))
+    assert truncated.read_bytes() == data[: len(data) // 2]
+
+    other_arch = tmp_path / "other.pt"
+    torch.save({**load_snapshot(reference), "model": nn.Linear(3, 2).state_dict()}, other_arch)
+    from utils.models import resnet18_cifar
+    with pytest.raises(UsageError, match="another architecture"):
+        checkpoint.load_weights(resnet18_cifar(), checkpoint.load(str(other_arch)), str(other_arch))
+
+    foreign = tmp_path / "foreign.pt"
+    torch.save({"state_dict": {}}, foreign)
+    with pytest.raises(UsageError, match="not a resnet18-cifar snapshot"):
+        checkpoint.load(str(foreign))
+
+
+def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
+    """Rank 1 joins, then hangs; rank 0's next collective must fail after --dist-timeout seconds."""
+    from utils import dist
+    args = SimpleNamespace(device="cpu", backend="gloo", dist_timeout=3, node_rank=0, nprocs=2, nnodes=1,
+                           ip="127.0.0.1", port=port)
+    env = dist.init_process(args, rank)
+    if rank == 1:
+        event.wait(60)  # alive but silent, like a frozen or partitioned machine
+        os._exit(0)
+    start = time.perf_counter()
+    try:
+        dist.all_reduce_sum(torch.ones(1))
+        results.put(("completed", 0.0))
+    except RuntimeError as error:
+        results.put((str(error).splitlines()[0][:200], time.perf_counter() - start))
+    finally:
+        event.set()
+    del env
+
+
+def test_a_silent_peer_fails_the_collective_within_the_timeout():
+    from utils.dist import free_port
+    ctx = torch.multiprocessing.get_context("spawn")
+    event, results = ctx.Event(), ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=wait_for_a_peer_that_never_comes, args=(r, 2, port, event, results))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    message, seconds = results.get()
+    for p in procs:
+        p.join(30)
+        if p.is_alive():
+            p.kill()
+    assert message != "completed" and 2.5 < seconds < 20, (message, seconds)
