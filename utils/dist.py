@@ -3,6 +3,7 @@ import contextlib
 import datetime
 import logging
 import os
+import re
 import socket
 import sys
 from dataclasses import dataclass
@@ -59,7 +60,15 @@ def init_process(args, local_rank: int | None = None) -> Env:
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if local_rank is None:
+    if local_rank is None and "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+        # srun started this process, no launcher: SLURM says who we are, node 0's first host hosts the store
+        rank, world_size, local_rank = (int(os.environ[k]) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
+        addr = (getattr(args, "ip", None) or os.environ.get("MASTER_ADDR")
+                or first_host(os.environ["SLURM_JOB_NODELIST"]))
+        port = getattr(args, "port", None) or int(os.environ.get("MASTER_PORT", 0)) or slurm_port()
+        init = {"store": rendezvous(addr, port, rank, world_size, timeout, f"{world_size} SLURM tasks")}
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
+    elif local_rank is None:
         rank = int(os.environ.get("RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
@@ -71,16 +80,55 @@ def init_process(args, local_rank: int | None = None) -> Env:
     else:
         rank = args.node_rank * args.nprocs + local_rank
         world_size = args.nnodes * args.nprocs
-        init = {"init_method": f"tcp://{args.ip}:{args.port}"}
-        os.environ["RANK"] = str(rank)  # so errors.report lets only rank 0 speak
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
+        shape = f"--nnodes {args.nnodes} --nprocs {args.nprocs}"
+        init = {"store": rendezvous(args.ip, args.port, rank, world_size, timeout, shape)}
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                          f"{backend} needs one GPU per process; start fewer processes or use --device cpu")
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **init)
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **init)
+    except dist.DistStoreError as error:  # a rank that never came: a machine not started, or another shape
+        raise UsageError(f"not all {world_size} processes joined within {timeout.seconds} s "
+                         f"({str(error).splitlines()[0][:120]}); is every machine started, with the same "
+                         "--nnodes and --nprocs?") from None
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+
+
+def rendezvous(addr: str, port: int, rank: int, world_size: int, timeout, shape: str) -> dist.Store:
+    """The job's store at addr:port, hosted by rank 0. Every process states the job's shape (for spawn:
+    --nnodes and --nprocs); the first statement wins and a process that says otherwise stops, before
+    any training, instead of waiting for ranks that will never come."""
+    try:
+        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
+    except dist.DistError as error:
+        reason = str(error).splitlines()[0][:120]
+        if rank == 0:
+            raise UsageError(f"cannot host the rendezvous on {addr}:{port} ({reason}); choose another --port") from None
+        raise UsageError(f"could not reach the rendezvous at {addr}:{port} within {timeout.seconds} s ({reason}); "
+                         "is node 0 started, are the address and port right and the port open?") from None
+    agreed = store.compare_set("job-shape", "", shape).decode()
+    if agreed != shape:
+        raise UsageError(f"this machine was started with {shape}, another one with {agreed}; "
+                         "start every machine with the same values")
+    return dist.PrefixStore("job", store)
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: 'gpu[07-09,12],cpu1' -> 'gpu07', 'n[1-2]-ib' -> 'n1-ib'."""
+    match = re.match(r"([^,\[]+)(?:\[([^-,\]]+)[^\]]*\]([^,]*))?", nodelist.strip())
+    if not match:
+        raise UsageError(f"cannot read the host names in SLURM_JOB_NODELIST={nodelist!r}; set MASTER_ADDR")
+    prefix, first, suffix = match.groups()
+    return prefix + (first or "") + (suffix or "")
+
+
+def slurm_port() -> int:
+    """The same port on every task of a SLURM job, and different for jobs sharing a machine."""
+    return 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000
 
 
 def _agent_store(timeout) -> dist.Store:

@@ -9,8 +9,9 @@ class UsageError(Exception):
 
 
 def report(message: str) -> None:
-    """Print one error line; under a launcher only rank 0 speaks, so N ranks do not repeat it."""
-    if os.environ.get("RANK", "0") == "0":
+    """Print one error line; under a launcher only local rank 0 of each machine speaks, so the N ranks
+    of a machine do not repeat it (and a machine that cannot reach the others still says why)."""
+    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
         prog = os.path.basename(sys.argv[0]) or "python"
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 

@@ -1,0 +1,148 @@
+"""Several machines, played on one host: each test starts two launcher processes ("machines") of one
+rank each, and their 2-rank job must end with the weights of the same job on one machine, to the bit."""
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import ROOT, TINY, load_snapshot, subprocess_env
+
+from utils.dist import first_host, free_port
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def start_machines(commands, timeout=240, envs=None):
+    """Start one command per "machine" at once; wait for all; return their results."""
+    envs = envs or [{}] * len(commands)
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(**env), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for cmd, env in zip(commands, envs, strict=True)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=timeout)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def assert_all_ok(results):
+    for r in results:
+        assert r.returncode == 0, f"{r.args}\n{r.stdout[-2000:]}\n{r.stderr[-3000:]}"
+
+
+def assert_same_bits(reference, out):
+    expected, got = load_snapshot(reference), load_snapshot(out)
+    assert got["world_size"] == 2
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+
+
+def test_two_torchrun_agents_on_a_c10d_endpoint(runs, tmp_path):
+    port = free_port()
+    cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                      "--rdzv-id=two-machines", str(ROOT / "distributed.py")] + TINY + ["--output-dir", str(tmp_path)]
+    assert_all_ok(start_machines([cmd, cmd]))
+    assert_same_bits(runs("torchrun", "torchrun", "distributed.py"), tmp_path)
+
+
+def test_two_torchrun_agents_with_a_static_master(runs, tmp_path):
+    port = free_port()
+    cmds = [TORCHRUN + ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
+                        f"--master_port={port}", str(ROOT / "distributed.py")] + TINY + ["--output-dir", str(tmp_path)]
+            for node in (0, 1)]
+    assert_all_ok(start_machines(cmds))
+    assert_same_bits(runs("torchrun", "torchrun", "distributed.py"), tmp_path)
+
+
+def test_two_spawn_machines_with_node_ranks(runs, tmp_path):
+    port = free_port()
+    cmds = [[sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
+             "--nprocs", "1", "--ip", "127.0.0.1", "--port", str(port)] + TINY + ["--output-dir", str(tmp_path)]
+            for node in (0, 1)]
+    assert_all_ok(start_machines(cmds))
+    assert_same_bits(runs("spawn", "spawn", "distributed_mp.py"), tmp_path)
+
+
+def test_srun_without_a_launcher(runs, tmp_path):
+    """What srun sets for 2 tasks on one node; the store's host comes from the node list."""
+    cmd = [sys.executable, str(ROOT / "distributed.py")] + TINY + ["--output-dir", str(tmp_path)]
+    port = str(free_port())
+    envs = [{"SLURM_PROCID": str(r), "SLURM_LOCALID": str(r), "SLURM_NTASKS": "2", "SLURM_JOB_ID": "4242",
+             "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": port} for r in (0, 1)]
+    results = start_machines([cmd, cmd], envs=envs)
+    assert_all_ok(results)
+    assert_same_bits(runs("torchrun", "torchrun", "distributed.py"), tmp_path)
+
+
+def test_first_host_of_a_slurm_node_list():
+    assert first_host("gpu[07-09,12],cpu1") == "gpu07"
+    assert first_host("node-a,node-b") == "node-a"
+    assert first_host("n[001-004]-ib") == "n001-ib"
+
+
+def last_line(result):
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_a_machine_that_cannot_reach_the_master_says_where_it_looked(tmp_path):
+    port = free_port()  # nobody listens there
+    cmd = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", "1", "--nprocs", "1",
+           "--ip", "127.0.0.1", "--port", str(port), "--dist-timeout", "3"] + TINY + ["--output-dir", str(tmp_path)]
+    (result,) = start_machines([cmd], timeout=60)
+    assert result.returncode == 2
+    assert f"could not reach the rendezvous at 127.0.0.1:{port}" in last_line(result), result.stderr[-2000:]
+    assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_machines_that_disagree_on_the_job_are_stopped_before_training(tmp_path):
+    port = free_port()
+    cmds = [[sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
+             "--nprocs", str(nprocs), "--ip", "127.0.0.1", "--port", str(port), "--dist-timeout", "5"]
+            + TINY + ["--output-dir", str(tmp_path)] for node, nprocs in ((0, 1), (1, 2))]
+    first, second = start_machines(cmds, timeout=120)
+    assert first.returncode == 2 and second.returncode == 2
+    assert "another one with --nnodes 2 --nprocs 1" in last_line(second), second.stderr[-2000:]
+    assert "not all 2 processes joined" in last_line(first), first.stderr[-2000:]
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+@contextlib.contextmanager
+def two_hosts():
+    """Two network namespaces joined by a veth pair: hosts 10.231.0.1 and 10.231.0.2 with their own
+    interfaces. Made and removed by the test; needs root and iproute2."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        pytest.skip("network namespaces need root and iproute2")
+    names = [f"ddp-test-{os.getpid()}-{i}" for i in (0, 1)]
+
+    def ip(*args):
+        return subprocess.run(["ip", *args], capture_output=True, text=True)
+
+    if ip("netns", "add", names[0]).returncode != 0:
+        pytest.skip("cannot create network namespaces here")
+    try:
+        ip("netns", "add", names[1])
+        ip("link", "add", "veth-a", "netns", names[0], "type", "veth", "peer", "name", "veth-b", "netns", names[1])
+        for i, name in enumerate(names):
+            dev = "veth-a" if i == 0 else "veth-b"
+            for args in (("addr", "add", f"10.231.0.{i + 1}/24", "dev", dev), ("link", "set", dev, "up"),
+                         ("link", "set", "lo", "up")):
+                result = ip("-n", name, *args)
+                if result.returncode != 0:
+                    pytest.skip(f"cannot configure network namespace: {result.stderr.strip()}")
+        yield [["ip", "netns", "exec", name] for name in names], ["veth-a", "veth-b"]
+    finally:
+        for name in names:
+            ip("netns", "del", name)
+
+
+def test_two_hosts_in_network_namespaces(runs, tmp_path):
+    with two_hosts() as (prefixes, interfaces):
+        cmds = [prefix + [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
+                          "--nprocs", "1", "--ip", "10.231.0.1", "--port", "29555"] + TINY
+                + ["--output-dir", str(tmp_path)] for node, prefix in enumerate(prefixes)]
+        results = start_machines(cmds, envs=[{"GLOO_SOCKET_IFNAME": iface} for iface in interfaces])
+    assert_all_ok(results)
+    assert_same_bits(runs("spawn", "spawn", "distributed_mp.py"), tmp_path)
