@@ -5,8 +5,6 @@
     python -m torch.distributed.launch --nproc_per_node=2 distributed.py     # the deprecated launcher
     python distributed.py                                                    # a world of one process
 """
-import os
-
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -81,9 +79,6 @@ def train(args, env):
 def main(argv=None):
     args = parse_args(argv)
     with exit_on_usage_error():
-        if args.ip or args.port:  # for launchers that set no rendezvous address themselves
-            os.environ.setdefault("MASTER_ADDR", args.ip or "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(args.port or 29500))
         env = dist.init_process(args)
         try:
             train(args, env)

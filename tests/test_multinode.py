@@ -5,12 +5,13 @@ import os
 import shutil
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import ROOT, TINY, load_snapshot, subprocess_env
 
-from utils.dist import first_host, free_port
+from utils.dist import first_host, free_port, slurm_address
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -80,6 +81,19 @@ def test_first_host_of_a_slurm_node_list():
     assert first_host("gpu[07-09,12],cpu1") == "gpu07"
     assert first_host("node-a,node-b") == "node-a"
     assert first_host("n[001-004]-ib") == "n001-ib"
+
+
+def test_slurm_rendezvous_address(monkeypatch):
+    """--port alone keeps the node list's first host (not this machine's loopback)."""
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    monkeypatch.setenv("SLURM_JOB_NODELIST", "gpu[3-4]")
+    monkeypatch.setenv("SLURM_JOB_ID", "123456")
+    assert slurm_address(SimpleNamespace(ip=None, port=None)) == ("gpu3", 29956)
+    assert slurm_address(SimpleNamespace(ip=None, port=29000)) == ("gpu3", 29000)
+    monkeypatch.setenv("MASTER_ADDR", "10.0.0.1")
+    assert slurm_address(SimpleNamespace(ip=None, port=None)) == ("10.0.0.1", 29956)
+    assert slurm_address(SimpleNamespace(ip="10.0.0.2", port=None)) == ("10.0.0.2", 29956)
 
 
 def last_line(result):

@@ -63,20 +63,22 @@ def init_process(args, local_rank: int | None = None) -> Env:
     if local_rank is None and "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         # srun started this process, no launcher: SLURM says who we are, node 0's first host hosts the store
         rank, world_size, local_rank = (int(os.environ[k]) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
-        addr = (getattr(args, "ip", None) or os.environ.get("MASTER_ADDR")
-                or first_host(os.environ["SLURM_JOB_NODELIST"]))
-        port = getattr(args, "port", None) or int(os.environ.get("MASTER_PORT", 0)) or slurm_port()
+        addr, port = slurm_address(args)
         init = {"store": rendezvous(addr, port, rank, world_size, timeout, f"{world_size} SLURM tasks")}
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
     elif local_rank is None:
         rank = int(os.environ.get("RANK", 0))
         world_size = int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
-        if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        # the launcher's address; --ip/--port for launchers that set none
+        addr = os.environ.get("MASTER_ADDR") or getattr(args, "ip", None)
+        port = os.environ.get("MASTER_PORT") or getattr(args, "port", None) or 29500
+        if world_size > 1 and not addr:
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
-        init = {"init_method": "env://"} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore()}
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
             init = {"store": _agent_store(timeout)}
+        else:
+            init = {"init_method": f"tcp://{addr}:{port}"} if addr else {"store": dist.HashStore()}
     else:
         rank = args.node_rank * args.nprocs + local_rank
         world_size = args.nnodes * args.nprocs
@@ -126,9 +128,13 @@ def first_host(nodelist: str) -> str:
     return prefix + (first or "") + (suffix or "")
 
 
-def slurm_port() -> int:
-    """The same port on every task of a SLURM job, and different for jobs sharing a machine."""
-    return 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000
+def slurm_address(args) -> tuple[str, int]:
+    """Where srun's tasks meet: --ip/--port, else MASTER_ADDR/MASTER_PORT, else the node list's first
+    host on a port that is the same for every task of the job and differs between jobs on a machine."""
+    addr = getattr(args, "ip", None) or os.environ.get("MASTER_ADDR") or first_host(os.environ["SLURM_JOB_NODELIST"])
+    port = (getattr(args, "port", None) or int(os.environ.get("MASTER_PORT", 0))
+            or 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
+    return addr, port
 
 
 def _agent_store(timeout) -> dist.Store:
