@@ -13,7 +13,7 @@ import sys
 import torch
 from torch import nn
 
-from utils import checkpoint, data, dist, flags, metrics, models
+from utils import checkpoint, data, dist, flags, metrics, models, speed
 from utils.errors import UsageError, exit_on_usage_error
 from utils.progress import EpochProgress
 
@@ -41,12 +41,12 @@ def train(args, env, gpus):
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     data.prepare(args, env)
     train_set, test_set = data.load(args, train=True), data.load(args, train=False)
-    pin = env.device.type == "cuda"
-    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
-    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+    train_loader = data.train_loader(train_set, batch, env, args)  # --loader: DataLoader workers, or on the device
+    test_loader = data.test_loader(test_set, batch, env, args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device)
+    model = models.resnet18_cifar().to(env.device, memory_format=speed.memory_format(args))
+    speed.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
     model = nn.DataParallel(model, device_ids=gpus) if gpus else model
@@ -85,14 +85,23 @@ def choose_gpus(args) -> list[int]:
         print("no GPU in use: DataParallel trains on the CPU as a single replica", file=sys.stderr)
         return []
     if args.gpu is None:
-        return list(range(visible))
+        gpus = list(range(visible))
+    else:
+        gpus = parse_gpus(args.gpu, visible)
+    if args.compile and len(gpus) > 1:  # a compiled module runs its own weights, not a replica's
+        raise UsageError(f"--compile with DataParallel on {len(gpus)} GPUs: torch.compile does not follow "
+                         "DataParallel's replicas; use DDP (distributed.py) or one GPU")
+    return gpus
+
+
+def parse_gpus(text: str, visible: int) -> list[int]:
     try:
-        gpus = [int(g) for g in args.gpu.split(",")]
+        gpus = [int(g) for g in text.split(",")]
     except ValueError:
-        raise UsageError(f"--gpu {args.gpu}: expected GPU indices like 0,1,2,3") from None
+        raise UsageError(f"--gpu {text}: expected GPU indices like 0,1,2,3") from None
     missing = [g for g in gpus if not 0 <= g < visible]
     if missing or len(set(gpus)) != len(gpus):
-        raise UsageError(f"--gpu {args.gpu}: GPU {missing[0] if missing else 'index repeated'} is not usable; "
+        raise UsageError(f"--gpu {text}: GPU {missing[0] if missing else 'index repeated'} is not usable; "
                          f"visible GPUs are 0..{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
     return gpus
 

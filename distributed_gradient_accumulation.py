@@ -16,7 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils import checkpoint, data, dist, flags, metrics, models, syncbn
+from utils import checkpoint, data, dist, flags, metrics, models, speed, syncbn
 from utils.errors import UsageError, exit_on_usage_error
 from utils.progress import EpochProgress
 
@@ -52,16 +52,17 @@ def train(args, env):
     micro_batches(batch, args.grad_accu_steps)
     data.prepare(args, env)
     train_set, test_set = data.load(args, train=True), data.load(args, train=False)
-    pin = env.device.type == "cuda"
-    train_loader = data.TrainLoader(train_set, batch, env.rank, env.world_size, args, pin)
-    test_loader = data.test_loader(test_set, batch, env.rank, env.world_size, args, pin)
+    train_loader = data.train_loader(train_set, batch, env, args)  # --loader: DataLoader workers, or on the device
+    test_loader = data.test_loader(test_set, batch, env, args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device)
+    model = models.resnet18_cifar().to(env.device, memory_format=speed.memory_format(args))
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         model = syncbn.convert(model, env.device)
     # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None)
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, **speed.ddp_options(args))
+    speed.register_comm_hook(model, args.comm_hook, train_loader.steps)  # float32 all-reduce, or compressed
+    speed.compile_if_asked(model, args)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)

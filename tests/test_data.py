@@ -115,6 +115,6 @@ def _indices(loader, dataset):
 def test_test_shards_cover_the_test_set_exactly_once(world_size):
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
     args = SimpleNamespace(workers=0)
-    seen = [i for r in range(world_size)
-            for i in data.test_loader(dataset, 4, r, world_size, args, pin=False).dataset.indices]
+    envs = [SimpleNamespace(rank=r, world_size=world_size, device=torch.device("cpu")) for r in range(world_size)]
+    seen = [i for env in envs for i in data.test_loader(dataset, 4, env, args).dataset.indices]
     assert sorted(seen) == list(range(10))

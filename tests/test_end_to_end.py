@@ -13,6 +13,7 @@ from conftest import check, launcher, load_snapshot, read_metrics, run
 # name -> (launcher, script, extra flags); all float32, all with batch statistics over the global batch
 EQUIVALENT = {
     "torchrun": ("torchrun", "distributed.py"),
+    "device-loader": ("torchrun", "distributed.py", "--loader", "device"),
     "launch": ("launch", "distributed.py"),
     "one-process": ("python", "distributed.py"),
     "spawn": ("spawn", "distributed_mp.py"),

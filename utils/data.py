@@ -3,8 +3,10 @@
 Data order: DistributedSampler deals a seeded permutation of the training set to the ranks in turn
 (rank r takes positions r, r+W, r+2W, ...), so global step k trains on permutation[k*B:(k+1)*B] at
 every world size W; one process uses the same sampler with W=1 and draws the same permutation.
-Augmentation is drawn per sample from (seed, epoch, index), not from a process's RNG, so a sample
-is cropped and flipped the same way whichever rank or DataLoader worker loads it, and on resume.
+Augmentation is drawn per sample from (seed, epoch, index) by `augment_draws`, a counter-based
+integer hash, not from a process's RNG, so a sample is cropped and flipped the same way whichever rank
+or DataLoader worker loads it, on resume, and by either loader (--loader dataloader or device): the
+device loader hashes a whole batch of indices on the GPU and gets the same draws as the CPU.
 """
 import os
 
@@ -23,6 +25,35 @@ STD = (0.2673, 0.2564, 0.2762)
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 
 
+_MASK = 0x7FFF_FFFF  # the hash keeps every value below 2**31: times a constant below 2**31, int64 never overflows
+
+
+def _mix(x):
+    """A bijection of 31-bit integers (Python ints or int64 tensors) that scatters nearby inputs."""
+    x = ((x ^ (x >> 16)) * 0x5BD1_E995) & _MASK
+    x = ((x ^ (x >> 15)) * 0x27D4_EB2D) & _MASK
+    return x ^ (x >> 16)
+
+
+_STREAMS = [k * 0x3C6E_F372 & _MASK for k in (1, 2, 3)]  # offsets of the three draws of one sample
+
+
+# Hand-written: torchvision's random transforms draw from the process RNG, different in each worker and rank.
+def augment_draws(seed: int, epoch: int, indices):
+    """(top, left, flip) of RandomCrop(32, padding=4) and RandomHorizontalFlip(0.5) for sample indices:
+    top and left in 0..8, flip in {0, 1}. `indices` is an int (Python ints back) or an int64 tensor on any
+    device (tensors back): exact integer arithmetic, so each way gives the same draws."""
+    key = _mix((_mix(seed & _MASK) + (epoch & _MASK)) & _MASK)
+    if isinstance(indices, int):  # one sample, in a DataLoader worker: plain ints are 20x faster than tensors
+        h = _mix((key + (indices & _MASK)) & _MASK)
+        top, left, flip = (_mix((h + s) & _MASK) for s in _STREAMS)
+    else:  # a batch, on the device loader's device
+        h = _mix((key + (indices.long() & _MASK)) & _MASK)
+        streams = torch.tensor(_STREAMS, device=indices.device)
+        top, left, flip = _mix((h[..., None] + streams) & _MASK).unbind(-1)  # three separate hash outputs
+    return top % 9, left % 9, flip >> 30  # 2**31 % 9 == 2: a bias of 1e-9
+
+
 class Images(Dataset):
     """uint8 images (N, 3, 32, 32) and labels; yields normalised float tensors, optionally augmented."""
 
@@ -39,10 +70,9 @@ class Images(Dataset):
     def __getitem__(self, index: int):
         image = self.images[index]
         if self.augment:  # torchvision's random transforms would draw from the worker's RNG: see above
-            g = torch.Generator().manual_seed(hash((self.seed, self.epoch, index)) & 0x7FFF_FFFF_FFFF_FFFF)
-            top, left = torch.randint(0, 9, (2,), generator=g).tolist()
+            top, left, flip = augment_draws(self.seed, self.epoch, int(index))
             image = TF.crop(TF.pad(image, [4]), top, left, 32, 32)  # RandomCrop(32, padding=4)
-            if torch.randint(0, 2, (1,), generator=g).item():  # RandomHorizontalFlip(0.5)
+            if flip:  # RandomHorizontalFlip(0.5)
                 image = TF.horizontal_flip(image)
         image = TF.to_dtype(image, torch.float32, scale=True)
         return TF.normalize(image, MEAN, STD), self.targets[index]
@@ -133,10 +163,7 @@ class TrainLoader:
         self.sampler = ResumableSampler(dataset, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
         self.loader = DataLoader(dataset, per_rank_batch, sampler=self.sampler, num_workers=args.workers,
                                  pin_memory=pin, drop_last=True)
-        self.steps = len(self.sampler) // per_rank_batch
-        if self.steps == 0:
-            raise UsageError(f"{len(dataset)} training images make no whole batch of --batch-size "
-                             f"{per_rank_batch * world_size}")
+        self.steps = _whole_batches(self.sampler, per_rank_batch, world_size)
 
     def epoch(self, epoch: int, start_step: int = 0):
         self.dataset.set_epoch(epoch)
@@ -145,8 +172,87 @@ class TrainLoader:
         return self.loader
 
 
-def test_loader(dataset: Images, per_rank_batch: int, rank: int, world_size: int, args, pin: bool):
+def _whole_batches(sampler: DistributedSampler, per_rank_batch: int, world_size: int) -> int:
+    """This rank's steps per epoch; a training set too small for one global batch is a UsageError."""
+    steps = len(sampler) // per_rank_batch
+    if steps == 0:
+        raise UsageError(f"{len(sampler.dataset)} training images make no whole batch of --batch-size "
+                         f"{per_rank_batch * world_size}")
+    return steps
+
+
+def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size: int, args, pin: bool):
     """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
     return DataLoader(shard, per_rank_batch, shuffle=False, num_workers=args.workers, pin_memory=pin)
+
+
+def _normalised(images: torch.Tensor) -> torch.Tensor:
+    """uint8 images (..., 3, H, W) as normalised floats: Images.__getitem__'s functions, in its order."""
+    return TF.normalize(TF.to_dtype(images, torch.float32, scale=True), MEAN, STD)
+
+
+class DeviceTrainLoader:
+    """TrainLoader's batches, made on the training device: the whole set is held there as uint8, and each
+    batch is gathered, cropped, flipped and normalised there in a few kernels, with no worker processes.
+    Bit for bit the batches of TrainLoader: the same sampler, draws and elementwise float functions."""
+
+    def __init__(self, dataset: Images, per_rank_batch: int, env, args):
+        self.per_rank_batch, self.seed, self.augment = per_rank_batch, dataset.seed, dataset.augment
+        self.images, self.targets = dataset.images.to(env.device), dataset.targets.to(env.device)
+        self.sampler = ResumableSampler(dataset, env.world_size, env.rank, shuffle=True, seed=args.seed,
+                                        drop_last=True)
+        self.steps = _whole_batches(self.sampler, per_rank_batch, env.world_size)
+
+    def epoch(self, epoch: int, start_step: int = 0):
+        self.sampler.set_epoch(epoch)
+        self.sampler.skip = start_step * self.per_rank_batch
+        order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.images.device)
+        b = self.per_rank_batch  # the last partial batch is dropped, as TrainLoader's drop_last does
+        return (self.batch(order[k:k + b], epoch) for k in range(0, len(order) - b + 1, b))
+
+    def batch(self, indices: torch.Tensor, epoch: int):
+        images = self.images[indices]
+        if self.augment:  # RandomCrop(32, padding=4) and RandomHorizontalFlip(0.5) as one gather
+            top, left, flip = augment_draws(self.seed, epoch, indices)
+            span = torch.arange(32, device=indices.device)
+            rows = top[:, None] + span  # (B, 32) rows of the padded image
+            cols = left[:, None] + torch.where(flip[:, None].bool(), 31 - span, span)  # flip: columns reversed
+            n, c = images.shape[:2]
+            images = TF.pad(images, [4])[torch.arange(n, device=indices.device)[:, None, None, None],
+                                         torch.arange(c, device=indices.device)[:, None, None],
+                                         rows[:, None, :, None], cols[:, None, None, :]]
+        return _normalised(images), self.targets[indices]
+
+
+class DeviceTestLoader:
+    """test_dataloader's batches, made on the device: the strided shard rank, rank + W, ... held there,
+    unaugmented, in order, the last batch partial."""
+
+    def __init__(self, dataset: Images, per_rank_batch: int, env):
+        shard = torch.arange(env.rank, len(dataset), env.world_size)
+        self.images, self.targets = dataset.images[shard].to(env.device), dataset.targets[shard].to(env.device)
+        self.per_rank_batch = per_rank_batch
+
+    def __len__(self) -> int:
+        return -(-len(self.targets) // self.per_rank_batch)
+
+    def __iter__(self):
+        for k in range(0, len(self.targets), self.per_rank_batch):
+            yield _normalised(self.images[k:k + self.per_rank_batch]), self.targets[k:k + self.per_rank_batch]
+
+
+def train_loader(dataset: Images, per_rank_batch: int, env, args):
+    """This rank's training batches by --loader: DataLoader workers (dataloader) or on env.device (device).
+    The same batches either way, so a run may resume with the other loader."""
+    if getattr(args, "loader", "dataloader") == "device":
+        return DeviceTrainLoader(dataset, per_rank_batch, env, args)
+    return TrainLoader(dataset, per_rank_batch, env.rank, env.world_size, args, pin=env.device.type == "cuda")
+
+
+def test_loader(dataset: Images, per_rank_batch: int, env, args):
+    """This rank's test batches by --loader (see train_loader)."""
+    if getattr(args, "loader", "dataloader") == "device":
+        return DeviceTestLoader(dataset, per_rank_batch, env)
+    return test_dataloader(dataset, per_rank_batch, env.rank, env.world_size, args, pin=env.device.type == "cuda")

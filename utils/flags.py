@@ -4,6 +4,7 @@ import os
 import re
 import sys
 
+from utils import speed
 from utils.errors import UsageError
 
 
@@ -43,6 +44,10 @@ def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
     add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
     add("--workers", type=non_negative_int, default=4, help="DataLoader worker processes per rank")
+    add("--loader", choices=["dataloader", "device"], default="dataloader",
+        help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
+             "device: the whole set held on the training device, augmented there in batches, no worker "
+             "processes (fastest on GPU). Both give the same batches")
     add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when a GPU is visible")
     add("--output-dir", default=os.path.join("runs", name),
         help="where metrics.jsonl, checkpoint.pt and eval.json are written")
@@ -63,6 +68,7 @@ def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
             help="how long a collective waits for a missing rank before the run fails")
         add("--no-sync-bn", action="store_true",
             help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
+    speed.add_flags(parser, distributed)
     return parser
 
 

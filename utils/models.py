@@ -3,6 +3,7 @@ import torch
 import torchvision
 from torch import nn
 
+from utils import speed
 from utils.data import NUM_CLASSES
 
 ARCH = "resnet18-cifar"
@@ -21,8 +22,10 @@ def resnet18_cifar(num_classes: int = NUM_CLASSES) -> nn.Module:
 
 def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, **extra):
     """SGD with momentum and weight decay, learning rate on a cosine from --lr to 0 over the epochs
-    (stepped once per epoch with scheduler.step(), the non-deprecated form)."""
+    (stepped once per epoch with scheduler.step(), the non-deprecated form); --optimizer-impl picks
+    torch's for-loop, foreach or fused implementation of the same update."""
     optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, **extra)
+                                weight_decay=args.weight_decay, **speed.optimizer_options(args, optimizer_class),
+                                **extra)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     return optimizer, scheduler

@@ -2,13 +2,14 @@
 
 Printing a loss needs .item(), which waits for the device; doing it every step (as older tutorials
 do, often with a barrier) stalls the pipeline. Here the only per-step work is a tensor addition."""
+import resource
 import sys
 import time
 
 import torch
 from tqdm import tqdm
 
-from utils import dist
+from utils import dist, speed
 
 
 class EpochProgress:
@@ -30,6 +31,9 @@ class EpochProgress:
                         leave=False, dynamic_ncols=True) if bar_wanted else None
 
     def __iter__(self):
+        if self.env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.env.device)
+        self.allreduces_at_start = speed.grad_allreduces()
         self.start = time.perf_counter()
         yield from self.batches
 
@@ -58,10 +62,22 @@ class EpochProgress:
         return tuple(totals.tolist())
 
     def summary(self) -> dict:
-        """Mean training loss over all ranks and steps, time and throughput (one all-reduce)."""
+        """Mean training loss over all ranks and steps, time and throughput (one all-reduce), this
+        rank's gradient all-reduces per optimizer step and its peak memory."""
         loss_sum, count = self.loss_so_far()  # waits for the device, so the time below is honest
         seconds = time.perf_counter() - self.start
         if self.bar:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
-                "images_per_s": self.recorded * self.global_batch / seconds}
+                "images_per_s": self.recorded * self.global_batch / seconds,
+                "grad_allreduces_per_step": (speed.grad_allreduces() - self.allreduces_at_start)
+                / max(self.recorded, 1),
+                "peak_memory_mb": peak_memory_mb(self.env.device)}
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """On a GPU, the most memory tensors held during the epoch; on the CPU, the process's peak
+    resident memory so far (the model, optimizer, data and torch itself)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB

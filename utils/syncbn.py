@@ -12,10 +12,14 @@ from torch import nn
 
 
 def convert(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm layer of `model` made synchronous, with torch's layer on GPU and ours on CPU."""
+    """Every BatchNorm layer of `model` made synchronous, with torch's layer on GPU and ours on CPU.
+    Call it on every rank: on the CPU it makes a process group of its own for the statistics."""
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    return CpuSyncBatchNorm.convert(model)
+    # A group of its own: a DDP comm hook (PowerSGD) issues all-reduces from callback threads, and
+    # on a shared group their order against these would differ between ranks (a collective mismatch).
+    group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
+    return CpuSyncBatchNorm.convert(model, group)
 
 
 class CpuSyncBatchNorm(nn.BatchNorm2d):
@@ -23,12 +27,14 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
 
     In eval mode, or in a world of one, it is plain BatchNorm2d and communicates nothing."""
 
+    process_group = None  # None: the default group
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        world = dist.get_world_size(self.process_group) if dist.is_available() and dist.is_initialized() else 1
         if not self.training or world == 1:
             return super().forward(x)
         self._check_input_dim(x)
-        y, mean, var, count = _SyncBatchNormFunction.apply(x, self.weight, self.bias, self.eps)
+        y, mean, var, count = _SyncBatchNormFunction.apply(x, self.weight, self.bias, self.eps, self.process_group)
         if self.track_running_stats:
             self.num_batches_tracked.add_(1)
             # momentum=None means a cumulative average, as in BatchNorm
@@ -40,21 +46,22 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         return y
 
     @classmethod
-    def convert(cls, module: nn.Module) -> nn.Module:
-        """A copy-free conversion: each BatchNorm2d is replaced by a CpuSyncBatchNorm sharing its tensors."""
+    def convert(cls, module: nn.Module, process_group=None) -> nn.Module:
+        """Each BatchNorm2d replaced by a CpuSyncBatchNorm with its values, synchronised over `process_group`."""
         if isinstance(module, nn.BatchNorm2d) and not isinstance(module, cls):
             new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
             new.load_state_dict(module.state_dict())
             new.train(module.training)
+            new.process_group = process_group
             return new
         for name, child in module.named_children():
-            module.add_module(name, cls.convert(child))
+            module.add_module(name, cls.convert(child, process_group))
         return module
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, eps):
+    def forward(ctx, x, weight, bias, eps, group):
         dims = [0] + list(range(2, x.dim()))  # every dimension but the channels
         n = x.numel() // x.size(1)
         dtype = torch.promote_types(x.dtype, torch.float32)  # float16/bfloat16 inputs: statistics in float32
@@ -64,7 +71,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # variance would be rounded away (off by 1e-3 at mean = 1000 std).
         stats = torch.cat([torch.tensor([float(n)], dtype=torch.float64, device=x.device), n * mean,
                            n * (var + mean * mean)])
-        dist.all_reduce(stats)
+        dist.all_reduce(stats, group=group)
         count = stats[0]
         channels = x.size(1)
         mean64 = stats[1:1 + channels] / count
@@ -77,6 +84,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         if weight is not None:
             y = y * weight.to(dtype).view(shape) + bias.to(dtype).view(shape)
         ctx.save_for_backward(xhat, weight, invstd)
+        ctx.group = group
         ctx.count = count.item()
         count = count.float().view(1)
         ctx.mark_non_differentiable(mean, var, count)
@@ -93,11 +101,11 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         # Each rank holds the gradient of its own loss; the input gradient needs the sums over all
         # ranks. The weight and bias gradients stay local: DDP averages them with the others.
         sums = torch.cat([sum_dy, sum_dy_xhat])
-        dist.all_reduce(sums)
+        dist.all_reduce(sums, group=ctx.group)
         global_dy, global_dy_xhat = sums.chunk(2)
         scale = invstd if weight is None else invstd * weight.to(xhat.dtype)
         grad_x = scale.view(shape) * (dy - (global_dy / ctx.count).view(shape)
                                       - xhat * (global_dy_xhat / ctx.count).view(shape))
         grad_weight = sum_dy_xhat.to(weight.dtype) if weight is not None and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(weight.dtype) if weight is not None and ctx.needs_input_grad[2] else None
-        return grad_x.to(grad_y.dtype), grad_weight, grad_bias, None
+        return grad_x.to(grad_y.dtype), grad_weight, grad_bias, None, None

@@ -1,0 +1,87 @@
+"""--loader device: the same batches as the DataLoader path, bit for bit, and the augmentation draws."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torchvision.transforms.v2.functional as TF
+
+from utils import data, flags
+from utils.errors import UsageError
+
+CPU = torch.device("cpu")
+
+
+def env(rank, world_size):
+    return SimpleNamespace(rank=rank, world_size=world_size, device=CPU)
+
+
+def both(make, *args, **kwargs):
+    return [make(*args, SimpleNamespace(**kwargs, loader=loader)) for loader in ("dataloader", "device")]
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_device_train_batches_equal_the_dataloader_batches(world_size):
+    dataset = data.Images(*data.synthetic(50, train=True), augment=True, seed=3)
+    for rank in range(world_size):
+        reference, device = both(data.train_loader, dataset, 4, env(rank, world_size), seed=3, workers=0)
+        assert isinstance(device, data.DeviceTrainLoader) and device.steps == reference.steps == 50 // world_size // 4
+        for epoch, start_step in ((0, 0), (1, 0), (1, 2)):
+            expected = list(reference.epoch(epoch, start_step))
+            got = list(device.epoch(epoch, start_step))
+            assert len(got) == len(expected) == reference.steps - start_step
+            for (want_x, want_y), (x, y) in zip(expected, got, strict=True):
+                assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+def test_device_test_batches_equal_the_dataloader_shard():
+    dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
+    for world_size in (1, 2, 3):
+        for rank in range(world_size):
+            reference, device = both(data.test_loader, dataset, 3, env(rank, world_size), workers=0)
+            expected, got = list(reference), list(device)
+            assert len(got) == len(expected) == len(device)
+            for (want_x, want_y), (x, y) in zip(expected, got, strict=True):
+                assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+def test_device_loader_without_a_whole_batch_is_a_usage_error():
+    dataset = data.Images(*data.synthetic(5, train=True), augment=True, seed=0)
+    with pytest.raises(UsageError, match="make no whole batch of --batch-size 8"):
+        data.train_loader(dataset, 4, env(0, 2), SimpleNamespace(seed=0, workers=0, loader="device"))
+
+
+def test_loader_flag():
+    parser = flags.make_parser("doc", "distributed.py")
+    assert flags.parse(parser, []).loader == "dataloader"
+    assert flags.parse(parser, ["--loader", "device"]).loader == "device"
+
+
+def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
+    indices = torch.arange(20_000)
+    top, left, flip = data.augment_draws(0, 0, indices)
+    for values in (top, left):
+        counts = torch.bincount(values, minlength=9)
+        assert len(counts) == 9 and ((counts / len(indices) - 1 / 9).abs() < 0.1 / 9).all()
+    assert flip.min() == 0 and flip.max() == 1 and abs(flip.float().mean() - 0.5) < 0.02 * 0.5
+    for other in (data.augment_draws(0, 1, indices), data.augment_draws(1, 0, indices)):
+        for mine, theirs in zip((top, left, flip), other, strict=True):
+            assert (mine != theirs).float().mean() > 0.4  # independent draws differ 8/9 or 1/2 of the time
+    for i in (0, 7, 19_999):  # alone, as a Python int (a DataLoader worker) or in a batch: the same draw
+        alone = data.augment_draws(0, 0, torch.tensor([i]))
+        assert [int(d) for d in alone] == [int(top[i]), int(left[i]), int(flip[i])]
+        assert list(data.augment_draws(0, 0, i)) == [int(top[i]), int(left[i]), int(flip[i])]
+
+
+@pytest.mark.parametrize(("top", "left", "flip"), [(0, 0, 0), (8, 8, 1), (0, 8, 1), (8, 0, 0), (3, 5, 1)])
+def test_a_padded_crop_matches_torchvision(monkeypatch, top, left, flip):
+    dataset = data.Images(*data.synthetic(8, train=True), augment=True, seed=0)
+    loader = data.train_loader(dataset, 4, env(0, 1), SimpleNamespace(seed=0, workers=0, loader="device"))
+    monkeypatch.setattr(data, "augment_draws", lambda seed, epoch, indices: tuple(
+        torch.full_like(indices, v) for v in (top, left, flip)))
+    images, _ = loader.batch(torch.tensor([5, 2]), epoch=0)
+    for got, index in zip(images, (5, 2), strict=True):
+        expected = TF.crop(TF.pad(dataset.images[index], [4]), top, left, 32, 32)
+        if flip:
+            expected = TF.horizontal_flip(expected)
+        expected = TF.normalize(TF.to_dtype(expected, torch.float32, scale=True), data.MEAN, data.STD)
+        assert torch.equal(got, expected)

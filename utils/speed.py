@@ -1,0 +1,103 @@
+"""The speed techniques the scripts can switch on, each behind a flag: DDP's settings, gradient
+compression hooks, channels-last memory, torch.compile, the optimizer's step implementation.
+
+Each is torch's own part; this module only maps the flags onto it and counts the gradient
+all-reduces (a Python integer per bucket, no device sync) so that metrics.jsonl can report them.
+"""
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+from utils.errors import UsageError
+
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
+OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
+_grad_allreduces = 0  # gradient buckets this process has sent to an all-reduce
+
+
+def add_flags(parser, distributed: bool) -> None:
+    """The technique flags; `distributed` adds those of DDP (DataParallel has none of them)."""
+    add = parser.add_argument
+    on_off = argparse.BooleanOptionalAction
+    add("--channels-last", action=on_off, default=False,
+        help="keep weights and activations in NHWC order (faster convolutions on tensor cores)")
+    add("--compile", action=on_off, default=False,
+        help="torch.compile the model (the first steps pay for compilation; needs a C++ compiler on the CPU)")
+    add("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
+        help="how SGD updates the weights: one tensor at a time (for-loop), batched (foreach), one fused "
+             "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU)")
+    if not distributed:
+        return
+    add("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
+        help="DDP gradient bucket size: one all-reduce per bucket, started as soon as the bucket is full; "
+             "default: torch's (25 MB, and 1 MB for the first bucket)")
+    add("--gradient-as-bucket-view", action=on_off, default=True,
+        help="gradients are views into DDP's buckets: no copy into the bucket, less memory")
+    add("--static-graph", action=on_off, default=False,
+        help="tell DDP the graph is the same every step, so it can skip per-step bookkeeping")
+    add("--comm-hook", choices=COMM_HOOKS, default="none",
+        help="gradient compression before the all-reduce: none (float32), fp16/bf16 (half the bytes), "
+             "powersgd (low-rank, from the second epoch on; for slow links)")
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def ddp_options(args) -> dict:
+    """Keyword arguments of DistributedDataParallel for the flags above."""
+    return {"bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
+            "static_graph": args.static_graph}
+
+
+def register_comm_hook(model: nn.parallel.DistributedDataParallel, name: str, steps_per_epoch: int) -> None:
+    """Install --comm-hook on the DDP model, counting the buckets it all-reduces. `none` installs
+    torch's allreduce_hook, the float32 all-reduce DDP does without a hook, so it can be counted too."""
+    if name == "powersgd":
+        # rank-2 approximation with error feedback; the first epoch all-reduces in full, as torch
+        # advises, so that the weights settle before the gradients are compressed
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
+                                            start_powerSGD_iter=max(2, steps_per_epoch))
+        hook = powerSGD_hook.powerSGD_hook
+    else:
+        state = None
+        hook = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
+                "bf16": default_hooks.bf16_compress_hook}[name]
+
+    def counted(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        global _grad_allreduces
+        _grad_allreduces += 1
+        return hook(state, bucket)
+
+    model.register_comm_hook(state, counted)
+
+
+def grad_allreduces() -> int:
+    """Gradient all-reduces issued by this process so far (one per DDP bucket per synchronised backward)."""
+    return _grad_allreduces
+
+
+def memory_format(args) -> torch.memory_format:
+    return torch.channels_last if args.channels_last else torch.contiguous_format
+
+
+def compile_if_asked(model: nn.Module, args) -> None:
+    """--compile: compile the model in place (nn.Module.compile keeps its state_dict keys and .module)."""
+    if args.compile:
+        model.compile()
+
+
+def optimizer_options(args, optimizer_class) -> dict:
+    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl."""
+    impl = getattr(args, "optimizer_impl", "auto")
+    if impl == "auto":
+        return {}
+    if optimizer_class is not torch.optim.SGD:
+        raise UsageError(f"--optimizer-impl {impl} applies to torch.optim.SGD; drop it with {optimizer_class.__name__}")
+    return {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]
