@@ -22,7 +22,7 @@ EQUIVALENT = {
     "dataparallel": ("python", "dataparallel.py"),
 }
 METRIC_FIELDS = {"epoch", "lr", "train_loss", "test_loss", "top1", "top5", "epoch_time_s", "images_per_s",
-                 "world_size"}
+                 "world_size", "grad_allreduces_per_step", "peak_memory_mb"}
 
 
 def get(runs, name):
@@ -74,7 +74,8 @@ def test_mixed_precision_bfloat16_under_torchrun(runs):
 
 
 def test_accumulation_script_under_spawn(runs):
-    out = runs("accumulation-k2", "spawn", "distributed_gradient_accumulation.py", "--grad-accu-steps", "2")
+    out = runs("accumulation-k4-one-bucket", "spawn", "distributed_gradient_accumulation.py",
+               "--grad-accu-steps", "4", "--bucket-cap-mb", "64")  # shared with test_speed.py
     (record,) = read_metrics(out)
     assert record["world_size"] == 2 and 0 < record["train_loss"] < 20
 

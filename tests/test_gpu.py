@@ -42,3 +42,30 @@ def test_torch_syncbatchnorm_matches_ours(tmp_path):
     for rank in on_ranks(2, both_layers_on_rank, results_dir=tmp_path, backend="nccl"):
         for theirs, ours in zip(rank["torch"], rank["ours"], strict=True):
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-5)
+
+
+@needs_gpu
+def test_device_loader_on_cuda_gives_the_cpu_batches():
+    """The draws are exact integer arithmetic and the rest is element-wise: CUDA batches equal the CPU's."""
+    from types import SimpleNamespace
+
+    from utils import data
+    dataset = data.Images(*data.synthetic(40, train=True), augment=True, seed=5)
+    args = SimpleNamespace(seed=5, workers=0, loader="device")
+    loaders = [data.train_loader(dataset, 8, SimpleNamespace(rank=0, world_size=1, device=torch.device(d)), args)
+               for d in ("cpu", "cuda")]
+    for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(*(loader.epoch(1) for loader in loaders),
+                                                                    strict=True):
+        torch.testing.assert_close(gpu_images.cpu(), cpu_images, rtol=0, atol=1e-6)
+        assert torch.equal(gpu_targets.cpu(), cpu_targets)
+
+
+@needs_gpu
+def test_benchmark_on_the_gpu(tmp_path):
+    """The benchmark's GPU path: NCCL rows, the bfloat16 ideal and peak (one row, few steps)."""
+    import json
+    import sys
+    check(run([sys.executable, "-m", "benchmarks.run", "--only", "DDP + bfloat16 autocast", "--steps", "4",
+               "--batch-size", "64", "--nprocs", "1", "--output-dir", str(tmp_path)], CUDA_VISIBLE_DEVICES="0"))
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert results["meta"]["device"] == "cuda" and results["rows"][0]["images_per_s"] > 0

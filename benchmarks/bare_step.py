@@ -1,0 +1,104 @@
+"""The bare training step of one process, the yardstick of benchmarks.run; and the device's matrix peak.
+
+    python -m benchmarks.bare_step --device cpu --batch-size 32 --steps 8      # images/s of the bare step
+    python -m benchmarks.bare_step --device cuda --matmul-peak bfloat16        # TFLOP/s of large matmuls
+
+The bare step is what every script does per step, minus everything that distribution and data
+loading add: ResNet-18 (32x32 stem), SGD with momentum, one batch made once on the device, no
+process group, no DataLoader, no SyncBatchNorm. N of these running side by side, one per device,
+are the ideal that a method on N devices is measured against. Prints one JSON line.
+"""
+import argparse
+import json
+import time
+
+import torch
+from torch import nn
+
+from utils import models
+from utils.data import NUM_CLASSES
+from utils.progress import peak_memory_mb
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, channels_last=False, compile_=False) -> dict:
+    torch.manual_seed(0)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    model = models.resnet18_cifar().to(device, memory_format=fmt)
+    if compile_:
+        model.compile()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
+    criterion = nn.CrossEntropyLoss()
+    images = torch.randn(batch_size, 3, 32, 32, device=device)
+    targets = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
+    model.train()
+    for step in range(warmup + steps):
+        if step == warmup:
+            synchronize(device)
+            start = time.perf_counter()
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return {"images_per_s": steps * batch_size / seconds, "peak_memory_mb": peak_memory_mb(device)}
+
+
+def matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 2.0) -> dict:
+    """TFLOP/s of repeated square matrix products, as large as the device runs them fast."""
+    n = 8192 if device.type == "cuda" else 2048
+    a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+    for _ in range(3):
+        a @ b
+    synchronize(device)
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        for _ in range(10):
+            a @ b
+        synchronize(device)
+        count += 10
+    elapsed = time.perf_counter() - start
+    return {"matmul_tflops": 2 * n**3 * count / elapsed / 1e12, "dtype": str(dtype).removeprefix("torch."), "n": n}
+
+
+def flops_per_image() -> float:
+    """Forward + backward FLOPs of one 32x32 image through the model, counted by torch's FlopCounterMode
+    (matrix products and convolutions; the element-wise work is a small remainder, not counted)."""
+    from torch.utils.flop_counter import FlopCounterMode
+    model = models.resnet18_cifar()
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.cross_entropy(model(torch.randn(2, 3, 32, 32)), torch.tensor([0, 1])).backward()
+    return counter.get_total_flops() / 2
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    parser.add_argument("--batch-size", type=int, default=32, help="images per step")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (more with --compile)")
+    parser.add_argument("--amp-dtype", choices=["bfloat16", "float16"], default=None, help="autocast dtype")
+    parser.add_argument("--channels-last", action="store_true", help="NHWC weights and activations")
+    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
+    parser.add_argument("--matmul-peak", choices=list(DTYPES), default=None,
+                        help="instead: measure the TFLOP/s of large matrix products in this dtype")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    if args.matmul_peak:
+        result = matmul_peak(device, DTYPES[args.matmul_peak])
+    else:
+        result = bare_step_rate(device, args.batch_size, args.steps, args.warmup,
+                                DTYPES[args.amp_dtype] if args.amp_dtype else None, args.channels_last, args.compile)
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

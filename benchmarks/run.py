@@ -1,0 +1,289 @@
+"""Every script and every speed technique on one synthetic workload, against the ideal, in one run.
+
+    python -m benchmarks.run --quick                    # the CPU: 2 processes, a few minutes
+    python -m benchmarks.run                            # all visible GPUs (or the CPU), longer runs
+    python -m benchmarks.run --only "DDP (torchrun),no SyncBatchNorm"   # the rows whose name contains these
+
+Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
+fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
+median images/s of the others is reported, with the peak memory and gradient all-reduces per
+optimizer step that the script writes to metrics.jsonl. The ideal is measured in the same run:
+N independent processes of the bare training step (benchmarks/bare_step.py: no process group,
+no data loading), one per device, with the same per-rank batch, side by side; its images/s is
+their sum. "vs ideal" is a row's images/s over the ideal of its precision. Technique rows change
+one flag of the DDP row, so their "vs DDP" column says what that flag buys on this machine.
+
+Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json.
+"""
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from benchmarks.bare_step import flops_per_image
+from utils import flags
+
+ROOT = Path(__file__).resolve().parent.parent
+EPOCH_IMAGES = 50_000
+
+
+@dataclass
+class Row:
+    name: str
+    script: str
+    start: str  # python (one process), torchrun or spawn
+    flags: list = field(default_factory=list)
+    table: str = "method"  # method or technique
+    amp: str | None = None  # the autocast dtype, which picks the ideal it is compared with
+    gpu_only: bool = False
+    full_only: bool = False  # left out of --quick
+
+
+def rows(device: str) -> list[Row]:
+    gpu = device == "cuda"
+    return [
+        Row("DataParallel", "dataparallel.py", "python"),
+        Row("DDP (torchrun)", "distributed.py", "torchrun"),
+        Row("DDP (spawn)", "distributed_mp.py", "spawn"),
+        Row("DDP + bfloat16 autocast", "distributed_apex.py", "spawn", ["--amp-dtype", "bfloat16"], amp="bfloat16"),
+        Row("DDP + float16 autocast + GradScaler", "distributed_apex.py", "spawn", ["--amp-dtype", "float16"],
+            amp="float16", gpu_only=True),
+        Row("DDP + gradient accumulation (k=4)", "distributed_gradient_accumulation.py", "spawn",
+            ["--grad-accu-steps", "4"]),
+        Row("DDP + gradient accumulation (k=4, one bucket)", "distributed_gradient_accumulation.py", "spawn",
+            ["--grad-accu-steps", "4", "--bucket-cap-mb", "64"]),
+        Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
+            ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
+             "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),
+        # the techniques: each changes one flag of "DDP (torchrun)"
+        Row("a host sync every step", "distributed.py", "torchrun", ["--print-freq", "1"], "technique"),
+        Row("gradients copied into buckets", "distributed.py", "torchrun", ["--no-gradient-as-bucket-view"],
+            "technique"),
+        Row("static graph", "distributed.py", "torchrun", ["--static-graph"], "technique"),
+        Row("one 64 MB bucket", "distributed.py", "torchrun", ["--bucket-cap-mb", "64"], "technique"),
+        Row("fp16 gradient compression", "distributed.py", "torchrun", ["--comm-hook", "fp16"], "technique"),
+        Row("bf16 gradient compression", "distributed.py", "torchrun", ["--comm-hook", "bf16"], "technique"),
+        Row("PowerSGD (rank 2)", "distributed.py", "torchrun", ["--comm-hook", "powersgd"], "technique"),
+        Row("channels-last", "distributed.py", "torchrun", ["--channels-last"], "technique"),
+        Row("torch.compile", "distributed.py", "torchrun", ["--compile"], "technique", full_only=not gpu),
+        Row("foreach SGD step", "distributed.py", "torchrun", ["--optimizer-impl", "foreach"], "technique"),
+        Row("fused SGD step", "distributed.py", "torchrun", ["--optimizer-impl", "fused"], "technique"),
+        Row("device-side data path", "distributed.py", "torchrun", ["--loader", "device"], "technique"),
+        Row("no SyncBatchNorm", "distributed.py", "torchrun", ["--no-sync-bn"], "technique"),
+    ]
+
+
+def launch(row: Row, nprocs: int) -> list[str]:
+    path = str(ROOT / row.script)
+    if row.start == "torchrun":
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", path]
+    return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
+
+
+def threads_env(processes: int) -> dict:
+    """On the CPU each process gets an equal share of the cores, so every row uses all of them."""
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
+
+
+def run_row(row: Row, args) -> dict:
+    processes = 1 if row.start == "python" else args.nprocs
+    global_batch = args.batch_size * args.nprocs  # DataParallel: one process, the same global batch
+    with tempfile.TemporaryDirectory() as out:
+        cmd = launch(row, args.nprocs) + [
+            "--dataset", "synthetic", "--train-samples", str(args.steps * global_batch),
+            "--test-samples", str(global_batch), "--batch-size", str(global_batch), "--epochs", str(args.epochs),
+            "--workers", str(args.workers), "--device", args.device, "--print-freq", "1000000",
+            "--output-dir", out] + row.flags
+        started = time.perf_counter()
+        result = subprocess.run(cmd, cwd=ROOT, env=threads_env(processes), capture_output=True, text=True)
+        if result.returncode != 0:
+            return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:200],
+                    "command": " ".join(cmd)}
+        records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
+    timed = records[1:]
+    return {"processes": processes, "images_per_s": statistics.median(r["images_per_s"] for r in timed),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in records),
+            "grad_allreduces_per_step": timed[-1]["grad_allreduces_per_step"],
+            "wall_s": time.perf_counter() - started}
+
+
+def ideal(args, amp: str | None) -> dict:
+    """N bare-step processes side by side, one per device (or per share of the cores): their images/s summed."""
+    procs = []
+    for i in range(args.nprocs):
+        device = f"cuda:{i}" if args.device == "cuda" else "cpu"
+        cmd = [sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--batch-size",
+               str(args.batch_size), "--steps", str(args.steps * (args.epochs - 1)), "--warmup", str(args.steps)]
+        procs.append(subprocess.Popen(cmd + (["--amp-dtype", amp] if amp else []), cwd=ROOT,
+                                      env=threads_env(args.nprocs), stdout=subprocess.PIPE, text=True))
+    results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("the bare step failed; run python -m benchmarks.bare_step to see why")
+    return {"images_per_s": sum(r["images_per_s"] for r in results),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in results)}
+
+
+def matmul_peak(args, dtype: str) -> float:
+    """TFLOP/s of large matrix products on one device (on the CPU: all cores, one process)."""
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--matmul-peak", dtype],
+                         cwd=ROOT, env=threads_env(1), capture_output=True, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])["matmul_tflops"]
+
+
+def hardware(device: str, nprocs: int) -> str:
+    if device == "cuda":
+        return f"{nprocs} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
+    cpu = platform.processor() or "CPU"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{os.cpu_count()} cores of {cpu}, no GPU, torch {torch.__version__}"
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    base = next((r for r in results["rows"] if r["name"] == "DDP (torchrun)" and "images_per_s" in r), None)
+    lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`.",
+             f"Per-rank batch {meta['batch_size']}, {meta['nprocs']} device(s) ({meta['device']}), "
+             f"{meta['steps']} steps per epoch, median of epochs 2-{meta['epochs']}; "
+             f"{meta['flops_per_image'] / 1e9:.2f} GFLOP per image (forward + backward, counted).",
+             "Ideal (bare step x N, side by side): " + ", ".join(
+                 f"{k} {v['images_per_s']:.1f} images/s" + (f" (mean of {v['before']:.1f} before the rows and "
+                                                            f"{v['after']:.1f} after)" if "after" in v else "")
+                 for k, v in meta["ideal"].items()) + ".",
+             "Matrix-product peak of one device: " + ", ".join(
+                 f"{k} {v:.2f} TFLOP/s" for k, v in meta["peak_tflops"].items()) + ".", ""]
+    for table, title in (("method", "Methods"), ("technique", "Techniques (one flag changed on DDP (torchrun))")):
+        lines += [f"### {title}", "",
+                  "| row | script + flags | processes | images/s | s per 50,000-image epoch | vs ideal | vs DDP "
+                  "| grad all-reduces / step | peak MB / process | TFLOP/s (% of peak) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in (r for r in results["rows"] if r["table"] == table):
+            what = f"`{r['script']}{' ' + ' '.join(r['flags']) if r['flags'] else ''}`"
+            if "images_per_s" not in r:
+                lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | | |")
+                continue
+            rate, peak = r["images_per_s"], meta["peak_tflops"].get(r["amp"] or "float32")
+            tflops = rate * meta["flops_per_image"] / 1e12
+            ideal_rate = meta["ideal"].get(r["amp"] or "float32", {}).get("images_per_s")
+            lines.append(
+                f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
+                f"| {rate / ideal_rate:.2f} | {rate / base['images_per_s']:.2f} | {r['grad_allreduces_per_step']:g} "
+                f"| {r['peak_memory_mb']:.0f} | {tflops:.3g} ({100 * tflops / peak:.0f}%) |"
+                if ideal_rate and base and peak else
+                f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} | | "
+                f"| {r['grad_allreduces_per_step']:g} | {r['peak_memory_mb']:.0f} | {tflops:.3g} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(results: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in results["rows"] if "images_per_s" in r]
+    fig, ax = plt.subplots(figsize=(9, 0.32 * len(done) + 1.6))
+    names = [r["name"] for r in done][::-1]
+    rates = [r["images_per_s"] for r in done][::-1]
+    colours = ["tab:blue" if r["table"] == "method" else "tab:orange" for r in done][::-1]
+    ax.barh(names, rates, color=colours)
+    ideal_rate = results["meta"]["ideal"][next(iter(results["meta"]["ideal"]))]["images_per_s"]
+    ax.axvline(ideal_rate, color="black", linestyle="--", label=f"ideal, float32 ({ideal_rate:.1f} images/s)")
+    ax.set_xlabel("images/s (higher is better)")
+    ax.set_title(results["meta"]["hardware"], fontsize=8)
+    ax.legend(loc="lower right", fontsize=8)
+    ax.tick_params(axis="y", labelsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = flags.Parser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
+                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help="a few minutes on the CPU: small batch, few steps, no torch.compile row")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="auto: cuda when a GPU is visible")
+    parser.add_argument("--nprocs", type=int, default=None, help="devices (processes); default: every GPU, or 2")
+    parser.add_argument("--batch-size", type=int, default=None,
+                        help="per-rank batch; default: 256 on GPU, 32 on the CPU, 16 with --quick")
+    parser.add_argument("--steps", type=int, default=None, help="steps per epoch; default: 40 on GPU, 6, 4 quick")
+    parser.add_argument("--epochs", type=int, default=None, help="epochs per row; the first is not counted "
+                        "(default: 3, 2 with --quick)")
+    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers per process; default: "
+                        "0 on the CPU (the cores compute), 8 on GPU")
+    parser.add_argument("--only", default=None,
+                        help="run only the rows whose name contains this text (several: separated by commas)")
+    parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
+    args = parser.parse_args(argv)
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda, but no GPU is visible")
+    gpu = args.device == "cuda"
+    args.nprocs = args.nprocs or (torch.cuda.device_count() if gpu else 2)
+    args.batch_size = args.batch_size or (256 if gpu else 16 if args.quick else 32)
+    args.steps = args.steps or (40 if gpu else 4 if args.quick else 6)
+    args.epochs = args.epochs or (2 if args.quick else 3)
+    args.workers = args.workers if args.workers is not None else (8 if gpu else 0)
+    for name in ("nprocs", "batch_size", "steps", "workers"):
+        if getattr(args, name) < (0 if name == "workers" else 1):
+            parser.error(f"--{name.replace('_', '-')} must be positive")
+    if args.epochs < 2:
+        parser.error("--epochs must be 2 or more: the first epoch is not counted")
+    if args.batch_size % 4:
+        parser.error("--batch-size must be divisible by 4 (the accumulation rows split it in 4 micro-batches)")
+    selected = [r for r in rows(args.device) if (gpu or not r.gpu_only) and not (args.quick and r.full_only)
+                and (args.only is None or any(text in r.name for text in args.only.split(",")))]
+    if not selected:
+        parser.error(f"--only {args.only!r} matches no row")
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    meta = {"hardware": hardware(args.device, args.nprocs), "device": args.device, "nprocs": args.nprocs,
+            "batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs,
+            "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+            "flops_per_image": flops_per_image(),
+            "ideal": {}, "peak_tflops": {}}
+    print(f"{meta['hardware']}; {len(selected)} rows", flush=True)
+    for amp in dict.fromkeys([None] + [r.amp for r in selected]):
+        meta["ideal"][amp or "float32"] = ideal(args, amp)
+        meta["peak_tflops"][amp or "float32"] = matmul_peak(args, amp or "float32")
+        print(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
+              f"matmul peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s", flush=True)
+    results = {"meta": meta, "rows": []}
+    for i, row in enumerate(selected, 1):
+        measured = run_row(row, args)
+        results["rows"].append({"name": row.name, "script": row.script, "flags": row.flags, "table": row.table,
+                                "amp": row.amp, **measured})
+        shown = (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)" if "images_per_s" in measured
+                 else f"failed: {measured['error']}")
+        print(f"[{i}/{len(selected)}] {row.name}: {shown}", flush=True)
+    # the float32 ideal again at the end, so that the machine's drift during the run shows
+    again = ideal(args, None)["images_per_s"]
+    first = meta["ideal"]["float32"]["images_per_s"]
+    meta["ideal"]["float32"].update(images_per_s=(first + again) / 2, before=first, after=again)
+    (out / "benchmark.json").write_text(json.dumps(results, indent=1))
+    (out / "benchmark.md").write_text(markdown(results))
+    chart(results, out / "benchmark.png")
+    print(markdown(results))
+    print(f"wrote {out / 'benchmark.md'}, {out / 'benchmark.png'}, {out / 'benchmark.json'}")
+    if any("error" in r for r in results["rows"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""The speed techniques through the real scripts: the exact ones leave the weights unchanged to the bit,
+the approximate ones stay close, the all-reduce count is what DDP's buckets and no_sync() say it is,
+and the benchmark writes its table, chart and numbers."""
+import json
+import sys
+
+import pytest
+import torch
+from conftest import TINY, check, launcher, load_snapshot, read_metrics, run
+
+from utils import flags, speed
+
+
+def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
+    """Buckets, their views, the static graph and the foreach SGD step change how the work is done,
+    not the arithmetic of any element: the weights after 3 steps equal the default run's to the bit."""
+    settings = ["--bucket-cap-mb", "64", "--no-gradient-as-bucket-view", "--static-graph",
+                "--optimizer-impl", "foreach"]
+    expected = load_snapshot(runs("torchrun", "torchrun", "distributed.py"))
+    got = load_snapshot(runs("ddp-settings", "torchrun", "distributed.py", *settings))
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+
+
+@pytest.mark.parametrize("technique", [["--comm-hook", "fp16"], ["--comm-hook", "bf16"],
+                                       ["--channels-last", "--optimizer-impl", "fused"]])
+def test_approximate_techniques_stay_close(runs, technique):
+    """Compressed gradients and NHWC convolutions round differently: the same 3 steps, a close loss."""
+    reference = read_metrics(runs("torchrun", "torchrun", "distributed.py"))[0]
+    record = read_metrics(runs("-".join(technique), "torchrun", "distributed.py", *technique))[0]
+    assert record["train_loss"] == pytest.approx(reference["train_loss"], rel=2e-2)
+
+
+def test_powersgd_runs_beside_syncbatchnorm(tmp_path):
+    """PowerSGD issues all-reduces from callback threads; before CpuSyncBatchNorm had a process group of its
+    own, their order against its all-reduces differed between ranks and gloo aborted (a collective mismatch).
+    6 steps: PowerSGD compresses from the second epoch on."""
+    check(run(launcher("torchrun", "distributed.py") + TINY + ["--epochs", "2", "--comm-hook", "powersgd",
+                                                              "--output-dir", str(tmp_path)]))
+    first, second = read_metrics(tmp_path)
+    assert second["epoch"] == 2 and 0 < second["train_loss"] < 20
+
+
+def test_accumulation_makes_one_all_reduce_per_optimizer_step(runs):
+    """k=4 micro-batches under no_sync(): the gradients cross once per optimizer step, in one bucket
+    with --bucket-cap-mb 64 (ResNet-18's 45 MB of gradients); without no_sync it would be 4."""
+    out = runs("accumulation-k4-one-bucket", "spawn", "distributed_gradient_accumulation.py",
+               "--grad-accu-steps", "4", "--bucket-cap-mb", "64")
+    (record,) = read_metrics(out)
+    assert record["grad_allreduces_per_step"] == 1
+
+
+def test_default_buckets_are_counted(runs):
+    """torch's default buckets for ResNet-18: one bucket in the first step, three after DDP rebuilds them
+    in the order the gradients became ready (3 steps: (1 + 3 + 3) / 3)."""
+    (record,) = read_metrics(runs("torchrun", "torchrun", "distributed.py"))
+    assert record["grad_allreduces_per_step"] == pytest.approx(7 / 3)
+    assert record["peak_memory_mb"] > 100
+
+
+def test_technique_flags_have_help_and_defaults():
+    args = flags.parse(flags.make_parser("x", "distributed.py"), [])
+    assert (args.comm_hook, args.bucket_cap_mb, args.gradient_as_bucket_view, args.static_graph) == \
+        ("none", None, True, False)
+    assert (args.channels_last, args.compile, args.optimizer_impl, args.loader) == \
+        (False, False, "auto", "dataloader")
+    assert speed.ddp_options(args) == {"bucket_cap_mb": None, "gradient_as_bucket_view": True,
+                                       "static_graph": False}
+    dp = flags.parse(flags.make_parser("x", "dataparallel.py", distributed=False), [])
+    assert not hasattr(dp, "comm_hook") and hasattr(dp, "channels_last")
+
+
+@pytest.mark.parametrize("argv", [["--comm-hook", "int8"], ["--bucket-cap-mb", "0"], ["--optimizer-impl", "x"]])
+def test_bad_technique_flags_are_one_line_errors(argv):
+    result = run(launcher("python", "distributed.py") + argv)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_fused_optimizer_impl_needs_torch_sgd():
+    from types import SimpleNamespace
+
+    from utils.errors import UsageError
+    assert speed.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.SGD) == {"fused": True}
+    with pytest.raises(UsageError):
+        speed.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.Adam)
+
+
+def test_benchmark_writes_table_chart_and_numbers(tmp_path):
+    """One row, one timed step: the plumbing of benchmarks.run, not a speed."""
+    result = check(run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", "DDP (torchrun)",
+                        "--steps", "1", "--batch-size", "4", "--output-dir", str(tmp_path)]))
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    (row,) = results["rows"]
+    assert row["processes"] == 2 and row["images_per_s"] > 0 and row["grad_allreduces_per_step"] == 3
+    assert results["meta"]["ideal"]["float32"]["images_per_s"] > 0
+    assert 3.2e9 < results["meta"]["flops_per_image"] < 3.4e9  # ResNet-18 at 32x32, forward + backward
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "| DDP (torchrun) | `distributed.py` | 2 |" in table and table in result.stdout
+    assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("argv", [["--epochs", "1"], ["--only", "no such row"], ["--batch-size", "6"]])
+def test_benchmark_bad_input_is_one_line(argv, tmp_path):
+    result = run([sys.executable, "-m", "benchmarks.run", "--output-dir", str(tmp_path)] + argv)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert not (tmp_path / "benchmark.md").exists()
