@@ -36,6 +36,10 @@ class EpochProgress:
         self.allreduces_at_start = speed.grad_allreduces()
         self.start = time.perf_counter()
         yield from self.batches
+        # the clock stops when the last step's work is done: the scripts evaluate before they log
+        if self.env.device.type == "cuda":
+            torch.cuda.synchronize(self.env.device)
+        self.end = time.perf_counter()
 
     def record(self, loss: torch.Tensor) -> None:
         """Call once per optimizer step with that step's mean training loss."""
@@ -64,8 +68,8 @@ class EpochProgress:
     def summary(self) -> dict:
         """Mean training loss over all ranks and steps, time and throughput (one all-reduce), this
         rank's gradient all-reduces per optimizer step and its peak memory."""
-        loss_sum, count = self.loss_so_far()  # waits for the device, so the time below is honest
-        seconds = time.perf_counter() - self.start
+        loss_sum, count = self.loss_so_far()
+        seconds = self.end - self.start
         if self.bar:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
