@@ -15,7 +15,6 @@ one flag of the DDP row, so their "vs DDP" column says what that flag buys on th
 
 Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json.
 """
-import argparse
 import json
 import os
 import platform
@@ -212,19 +211,21 @@ def chart(results: dict, path: Path) -> None:
 
 def main(argv=None):
     parser = flags.Parser(prog="python -m benchmarks.run", description=__doc__.splitlines()[0],
-                          formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                          formatter_class=flags.HelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help="a few minutes on the CPU: small batch, few steps, no torch.compile row")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="auto: cuda when a GPU is visible")
-    parser.add_argument("--nprocs", type=int, default=None, help="devices (processes); default: every GPU, or 2")
-    parser.add_argument("--batch-size", type=int, default=None,
+    parser.add_argument("--nprocs", type=flags.positive_int, default=None,
+                        help="devices (processes); default: every GPU, or 2")
+    parser.add_argument("--batch-size", type=flags.positive_int, default=None,
                         help="per-rank batch; default: 256 on GPU, 32 on the CPU, 16 with --quick")
-    parser.add_argument("--steps", type=int, default=None, help="steps per epoch; default: 40 on GPU, 6, 4 quick")
-    parser.add_argument("--epochs", type=int, default=None, help="epochs per row; the first is not counted "
-                        "(default: 3, 2 with --quick)")
-    parser.add_argument("--workers", type=int, default=None, help="DataLoader workers per process; default: "
-                        "0 on the CPU (the cores compute), 8 on GPU")
+    parser.add_argument("--steps", type=flags.positive_int, default=None,
+                        help="steps per epoch; default: 40 on GPU, 6 on the CPU, 4 with --quick")
+    parser.add_argument("--epochs", type=flags.positive_int, default=None,
+                        help="epochs per row; the first is not counted (default: 3, 2 with --quick)")
+    parser.add_argument("--workers", type=flags.non_negative_int, default=None,
+                        help="DataLoader workers per process; default: 0 on the CPU (the cores compute), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas)")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
@@ -239,9 +240,6 @@ def main(argv=None):
     args.steps = args.steps or (40 if gpu else 4 if args.quick else 6)
     args.epochs = args.epochs or (2 if args.quick else 3)
     args.workers = args.workers if args.workers is not None else (8 if gpu else 0)
-    for name in ("nprocs", "batch_size", "steps", "workers"):
-        if getattr(args, name) < (0 if name == "workers" else 1):
-            parser.error(f"--{name.replace('_', '-')} must be positive")
     if args.epochs < 2:
         parser.error("--epochs must be 2 or more: the first epoch is not counted")
     if args.batch_size % 4:

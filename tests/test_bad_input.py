@@ -125,3 +125,13 @@ def test_every_flag_has_help(module, monkeypatch):
     missing = [action.option_strings for action in parser._actions if action.option_strings and not action.help]
     assert not missing, f"flags without help: {missing}"
     assert len(parser._actions) >= 17
+
+
+def test_help_shows_defaults_that_say_something():
+    """--help states a flag's default, but not "None" or "False", nor twice when its help already does."""
+    result = run(launcher("python", "distributed.py") + ["--help"])
+    assert result.returncode == 0
+    text = " ".join(result.stdout.split())
+    assert "number of training epochs (default: 30)" in text
+    assert "(default: None)" not in text and "(default: False)" not in text
+    assert "when there is one) (default" not in text  # --resume's help states its default itself

@@ -99,7 +99,8 @@ def test_benchmark_writes_table_chart_and_numbers(tmp_path):
     assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
 
 
-@pytest.mark.parametrize("argv", [["--epochs", "1"], ["--only", "no such row"], ["--batch-size", "6"]])
+@pytest.mark.parametrize("argv", [["--epochs", "1"], ["--only", "no such row"], ["--batch-size", "6"],
+                                  ["--nprocs", "0"], ["--workers", "-1"]])
 def test_benchmark_bad_input_is_one_line(argv, tmp_path):
     result = run([sys.executable, "-m", "benchmarks.run", "--output-dir", str(tmp_path)] + argv)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr

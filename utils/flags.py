@@ -15,6 +15,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows a flag's default, unless it is None or False (nothing to show) or the help already says it."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _dashes(argv):
     """Accept the seed-era spellings: --batch_size means --batch-size, --local_rank --local-rank."""
     return [re.sub(r"^(--[^=]*)", lambda m: m.group(1).replace("_", "-"), a) if a.startswith("--") else a
@@ -28,7 +37,7 @@ def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
         prog=os.path.basename(script),
         description=doc.strip().splitlines()[0],
         epilog="Underscore spellings of the flags (--batch_size, --local_rank, ...) are accepted too.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add = parser.add_argument
     add("--data-dir", default="./data", help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
