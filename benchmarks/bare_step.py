@@ -27,12 +27,9 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, channels_last=False, compile_=False) -> dict:
+def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None) -> dict:
     torch.manual_seed(0)
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    model = models.resnet18_cifar().to(device, memory_format=fmt)
-    if compile_:
-        model.compile()
+    model = models.resnet18_cifar().to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     criterion = nn.CrossEntropyLoss()
     images = torch.randn(batch_size, 3, 32, 32, device=device)
@@ -84,10 +81,8 @@ def main():
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     parser.add_argument("--batch-size", type=int, default=32, help="images per step")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (more with --compile)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     parser.add_argument("--amp-dtype", choices=["bfloat16", "float16"], default=None, help="autocast dtype")
-    parser.add_argument("--channels-last", action="store_true", help="NHWC weights and activations")
-    parser.add_argument("--compile", action="store_true", help="torch.compile the model")
     parser.add_argument("--matmul-peak", choices=list(DTYPES), default=None,
                         help="instead: measure the TFLOP/s of large matrix products in this dtype")
     args = parser.parse_args()
@@ -96,7 +91,7 @@ def main():
         result = matmul_peak(device, DTYPES[args.matmul_peak])
     else:
         result = bare_step_rate(device, args.batch_size, args.steps, args.warmup,
-                                DTYPES[args.amp_dtype] if args.amp_dtype else None, args.channels_last, args.compile)
+                                DTYPES[args.amp_dtype] if args.amp_dtype else None)
     print(json.dumps(result), flush=True)
 
 

@@ -198,7 +198,7 @@ def chart(results: dict, path: Path) -> None:
     rates = [r["images_per_s"] for r in done][::-1]
     colours = ["tab:blue" if r["table"] == "method" else "tab:orange" for r in done][::-1]
     ax.barh(names, rates, color=colours)
-    ideal_rate = results["meta"]["ideal"][next(iter(results["meta"]["ideal"]))]["images_per_s"]
+    ideal_rate = results["meta"]["ideal"]["float32"]["images_per_s"]
     ax.axvline(ideal_rate, color="black", linestyle="--", label=f"ideal, float32 ({ideal_rate:.1f} images/s)")
     ax.set_xlabel("images/s (higher is better)")
     ax.set_title(results["meta"]["hardware"], fontsize=8)

@@ -133,5 +133,6 @@ def test_help_shows_defaults_that_say_something():
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "number of training epochs (default: 30)" in text
+    assert "and the augmentation (default: 0)" in text  # --seed: 0 is a value, not "nothing to show"
     assert "(default: None)" not in text and "(default: False)" not in text
     assert "when there is one) (default" not in text  # --resume's help states its default itself

@@ -19,7 +19,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
     """Shows a flag's default, unless it is None or False (nothing to show) or the help already says it."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default" in (action.help or ""):
+        if action.default is None or action.default is False or "default" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
