@@ -5,12 +5,14 @@
     python -m torch.distributed.launch --nproc_per_node=2 distributed.py     # the deprecated launcher
     python distributed.py                                                    # a world of one process
 """
+import sys
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils import checkpoint, data, dist, flags, metrics, models, speed, syncbn
-from utils.errors import exit_on_usage_error
+from utils import checkpoint, data, dist, flags, metrics, models, speed, stopping, syncbn
+from utils.errors import exit_on_error
 from utils.progress import EpochProgress
 
 
@@ -25,7 +27,8 @@ def parse_args(argv=None):
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env):
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots):
+    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
     model.train()
     for images, targets in progress:
         images = images.to(env.device, non_blocking=True)
@@ -34,10 +37,14 @@ def train_one_epoch(model, criterion, optimizer, progress, env):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over all ranks, bucket by bucket, during backward
         optimizer.step()
-        progress.record(loss)
+        progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
+        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+            return
+        if snapshots.due(progress.step, progress.total):  # --save-every-steps
+            snapshots.save(progress.epoch, progress.step, progress.loss_so_far())
 
 
-def train(args, env):
+def train(args, env, stop) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     data.prepare(args, env)
     train_set, test_set = data.load(args, train=True), data.load(args, train=False)
@@ -60,31 +67,41 @@ def train(args, env):
         snapshots.load_weights()
         results = metrics.evaluate(model.module, test_loader, env.device)
         metrics.write_eval(args.output_dir, results, env.is_main)
-        return
+        return 0
     start_epoch, start_step = snapshots.resume()
     log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
     if start_epoch == args.epochs and env.is_main:
         print(f"nothing left to train: the snapshot has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
         progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
-                                 start_step, snapshots)
-        train_one_epoch(model, criterion, optimizer, progress, env)
-        lr = scheduler.get_last_lr()[0]
+                                 start_step, snapshots.epoch_loss)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots)
+        # the unwrapped module (see metrics.evaluate); None if a stop signal comes during it
+        results = None if stop.agreed() else metrics.evaluate(model.module, test_loader, env.device, stop=stop)
+        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
+            snapshots.save(epoch, progress.step, progress.loss_so_far())
+            return stop.finish_stopped_run(epoch, progress.step, progress.total, snapshots.path, env.is_main)
+        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
+                   "world_size": env.world_size})
         scheduler.step()
-        results = metrics.evaluate(model.module, test_loader, env.device)  # the unwrapped module: see there
-        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
         snapshots.save(epoch + 1)
         start_step = 0
+    stop.finish()
+    return 0
 
 
 def main(argv=None):
     args = parse_args(argv)
-    with exit_on_usage_error():
+    stop = stopping.StopSignals(watch_launcher=dist.has_torchrun_agent())  # SIGTERM, Ctrl-C, SIGUSR1
+    with exit_on_error():
+        flags.check_before_start(args)
         env = dist.init_process(args)
+        stop.arm(env.world_size)
         try:
-            train(args, env)
+            status = train(args, env, stop)
         finally:
             dist.teardown()
+    sys.exit(status)
 
 
 if __name__ == "__main__":

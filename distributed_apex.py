@@ -10,14 +10,15 @@ plus torch.amp.GradScaler for float16 gradients; apex.parallel.DistributedDataPa
 apex.parallel.SyncBatchNorm became torch's own. The README has the full migration table.
 """
 import importlib.util
+import sys
 
 import torch
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils import checkpoint, data, dist, flags, metrics, models, speed, syncbn
-from utils.errors import UsageError, exit_on_usage_error
+from utils import checkpoint, data, dist, flags, metrics, models, speed, stopping, syncbn
+from utils.errors import UsageError, exit_on_error
 from utils.progress import EpochProgress
 
 
@@ -61,7 +62,8 @@ def optimizer_class(args):
     return FusedSGD
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, amp_dtype, scaler):
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots, amp_dtype, scaler):
+    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
     model.train()
     for images, targets in progress:
         images = images.to(env.device, non_blocking=True)
@@ -73,10 +75,14 @@ def train_one_epoch(model, criterion, optimizer, progress, env, amp_dtype, scale
         scaler.scale(loss).backward()  # DDP averages the (scaled) gradients over all ranks during backward
         scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
         scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        progress.record(loss)
+        progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
+        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+            return
+        if snapshots.due(progress.step, progress.total):  # --save-every-steps
+            snapshots.save(progress.epoch, progress.step, progress.loss_so_far())
 
 
-def train(args, env):
+def train(args, env, stop) -> int:
     amp_dtype, scale_loss = precision(args)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     data.prepare(args, env)
@@ -102,46 +108,57 @@ def train(args, env):
         snapshots.load_weights()
         results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype)
         metrics.write_eval(args.output_dir, results, env.is_main)
-        return
+        return 0
     start_epoch, start_step = snapshots.resume()
     log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
     if start_epoch == args.epochs and env.is_main:
         print(f"nothing left to train: the snapshot has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
         progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
-                                 start_step, snapshots)
-        train_one_epoch(model, criterion, optimizer, progress, env, amp_dtype, scaler)
-        lr = scheduler.get_last_lr()[0]
+                                 start_step, snapshots.epoch_loss)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots, amp_dtype, scaler)
+        # the unwrapped module (see metrics.evaluate); None if a stop signal comes during it
+        results = None if stop.agreed() else metrics.evaluate(model.module, test_loader, env.device, amp_dtype, stop)
+        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
+            snapshots.save(epoch, progress.step, progress.loss_so_far())
+            return stop.finish_stopped_run(epoch, progress.step, progress.total, snapshots.path, env.is_main)
+        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
+                   "world_size": env.world_size})
         scheduler.step()
-        results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype)  # unwrapped: see there
-        log.write({"epoch": epoch + 1, "lr": lr, **progress.summary(), **results, "world_size": env.world_size})
         snapshots.save(epoch + 1)
         start_step = 0
+    stop.finish()
+    return 0
 
 
 def worker(local_rank, args):
     """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
-    with exit_on_usage_error():
+    stop = stopping.StopSignals(watch_launcher=True)  # SIGTERM, Ctrl-C, SIGUSR1, or the parent gone
+    with exit_on_error():
         env = dist.init_process(args, local_rank)
+        stop.arm(env.world_size)
         try:
-            train(args, env)
+            status = train(args, env, stop)
         finally:
             dist.teardown()
+    sys.exit(status)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if dist.launched_by_torchrun():  # torchrun started this process as one rank: start no others
         return worker(None, args)
-    with exit_on_usage_error():  # check all that can be checked before starting any process
+    with exit_on_error():  # check all that can be checked before starting any process
         precision(args), optimizer_class(args)
         args.nprocs = args.nprocs or dist.default_nprocs(args.device)
         dist.check_launch(args, local_processes=args.nprocs)
         flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs)
+        flags.check_before_start(args)
         data.prepare(args, env=None)
         checkpoint.check_before_start(args, __file__)
         dist.prepare_rendezvous(args)
-    with dist.spawn_errors():
+    # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
+    with dist.spawn_errors(), stopping.forwarded_to_children():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
 
 

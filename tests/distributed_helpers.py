@@ -1,11 +1,16 @@
 """Run a function on N ranks (gloo by default) in spawned processes and collect what each returns."""
 import os
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from utils.dist import free_port
+
+# What the scripts' train_one_epoch takes beside the model, for tests that call it directly:
+NEVER_STOPPED = SimpleNamespace(agreed=lambda: False)  # utils.stopping.StopSignals with no signal
+NO_CHECKPOINTS = SimpleNamespace(due=lambda step, steps: False)  # checkpoint.Snapshots, no --save-every-steps
 
 
 def _entry(rank, world_size, port, fn, args, results_dir, backend):

@@ -5,7 +5,7 @@ loop of distributed_gradient_accumulation.py is run on 2 gloo ranks with k = 1 a
 from types import SimpleNamespace
 
 import torch
-from distributed_helpers import on_ranks
+from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -38,9 +38,10 @@ def train_on_rank(rank, world_size, accu_steps):
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
-    args = SimpleNamespace(print_freq=100, epochs=1, batch_size=world_size * PER_RANK_BATCH)
+    args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=world_size * PER_RANK_BATCH)
     progress = EpochProgress(shard, STEPS, env, args, epoch=0)
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, accu_steps)
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS,
+                           accu_steps)
     return {"weights": [p.detach().clone() for p in model.parameters()], "all_reduces": len(all_reduces),
             "loss": progress.summary()["train_loss"]}
 

@@ -24,7 +24,24 @@ CASES = {
     "no-snapshot-to-evaluate": ("distributed_mp", ["--evaluate"], "no snapshot"),
     "bad-flag-value": ("distributed", ["--epochs", "0"], "--epochs"),
     "node-rank-outside": ("distributed_mp", ["--nnodes", "2", "--node-rank", "2", "--port", "29999"], "--node-rank 2"),
+    "negative-lr": ("distributed_mp", ["--lr", "-1"], "--lr"),
+    "nan-lr": ("distributed", ["--lr", "nan"], "--lr"),
+    "negative-momentum": ("distributed_apex", ["--momentum", "-1"], "--momentum"),
+    "infinite-weight-decay": ("dataparallel", ["--weight-decay", "inf"], "--weight-decay"),
+    "ip-does-not-resolve": ("distributed_mp", ["--ip", "no-such-host.invalid"], "does not resolve"),
+    "ip-does-not-resolve-torchrun-script": ("distributed", ["--ip", "no-such-host.invalid"], "does not resolve"),
 }
+
+
+@pytest.fixture(autouse=True)
+def signal_handlers_restored():
+    """Scripts called in-process install their stop-signal handlers in pytest's process: undo that."""
+    import signal
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+    signal.set_wakeup_fd(-1)
 
 
 def run_bad(kind_and_script: list[str], extra: list[str], out):
@@ -54,6 +71,17 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     assert_one_line_error(result, expected)
     assert (out / "metrics.jsonl").read_text() == "earlier run\n"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+
+
+@pytest.mark.parametrize("module", ["distributed", "distributed_gradient_accumulation"])
+def test_an_output_dir_that_is_a_file_is_refused_untouched(module, tmp_path, capsys):
+    out = tmp_path / "notes.txt"
+    out.write_text("mine\n")
+    with pytest.raises(SystemExit) as exit_info:
+        importlib.import_module(module).main(TINY + ["--output-dir", str(out / "run")])
+    result = SimpleNamespace(returncode=exit_info.value.code, stderr=capsys.readouterr().err)
+    assert_one_line_error(result, "is a file, not a directory")
+    assert out.read_text() == "mine\n"
 
 
 def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):

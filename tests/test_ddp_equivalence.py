@@ -8,7 +8,7 @@ gradients (layer4, small-batch BatchNorm), so any two float32 summation orders d
 from types import SimpleNamespace
 
 import torch
-from distributed_helpers import on_ranks
+from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -30,9 +30,9 @@ def batches():
 def train(model, data, rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
-    args = SimpleNamespace(print_freq=100, epochs=1, batch_size=GLOBAL_BATCH)
+    args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=GLOBAL_BATCH)
     progress = EpochProgress(data, STEPS, env, args, epoch=0)
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env)
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS)
     inner = model.module if isinstance(model, DDP) else model
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.errors import UsageError
+from utils.errors import Diverged, UsageError
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
@@ -113,6 +113,11 @@ class Snapshots:
         self.path = os.path.join(args.output_dir, FILENAME)
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
 
+    def due(self, step: int, steps: int) -> bool:
+        """A mid-epoch checkpoint is due after `step` of `steps` (--save-every-steps; the epoch's end saves anyway)."""
+        every = getattr(self.args, "save_every_steps", 0)
+        return bool(every) and step % every == 0 and step < steps
+
     def load_weights(self) -> None:
         """For --evaluate: only the model's weights, from a snapshot of any of the scripts."""
         load_weights(self.parts["model"], load(self.path), self.path)
@@ -145,10 +150,17 @@ class Snapshots:
             print(f"--restart: starting afresh; the previous snapshot and metrics are kept as *.{stamp}", flush=True)
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
-        """`epoch` epochs and `step` steps of the next one are done (rank 0 writes, the others return)."""
+        """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are
+        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; then
+        rank 0 writes and the others return."""
+        weights = unwrap(self.parts["model"]).state_dict()
+        floats = [t for t in weights.values() if t.is_floating_point()]
+        if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
+            raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
+                           f"diverged; try a lower --lr than {self.args.lr:g}. {self.path} was not overwritten")
         if not self.env.is_main:
             return
-        state = {name: (unwrap(part) if name == "model" else part).state_dict()
+        state = {name: (weights if name == "model" else part.state_dict())
                  for name, part in self.parts.items() if part is not None}
         state.update(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
                      epoch_loss=list(epoch_loss), run=run_flags(self.args),

@@ -16,7 +16,7 @@ import torchvision
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 
-from utils import dist
+from utils import dist, stopping
 from utils.errors import UsageError
 
 NUM_CLASSES = 100
@@ -161,14 +161,17 @@ class TrainLoader:
         self.dataset, self.per_rank_batch = dataset, per_rank_batch
         # drop_last: every global batch is whole, so the step count is len // B at every world size
         self.sampler = ResumableSampler(dataset, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
-        self.loader = DataLoader(dataset, per_rank_batch, sampler=self.sampler, num_workers=args.workers,
-                                 pin_memory=pin, drop_last=True)
+        self.loader = stopping.WorkersForkedWithSignalsHeld(DataLoader(
+            dataset, per_rank_batch, sampler=self.sampler, num_workers=args.workers, pin_memory=pin,
+            drop_last=True, worker_init_fn=stopping.leave_stop_signals_to_the_rank))
         self.steps = _whole_batches(self.sampler, per_rank_batch, world_size)
 
     def epoch(self, epoch: int, start_step: int = 0):
         self.dataset.set_epoch(epoch)
         self.sampler.set_epoch(epoch)
         self.sampler.skip = start_step * self.per_rank_batch
+        if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
+            return []
         return self.loader
 
 
@@ -185,7 +188,9 @@ def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size:
     """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return DataLoader(shard, per_rank_batch, shuffle=False, num_workers=args.workers, pin_memory=pin)
+    return stopping.WorkersForkedWithSignalsHeld(DataLoader(
+        shard, per_rank_batch, shuffle=False, num_workers=args.workers, pin_memory=pin,
+        worker_init_fn=stopping.leave_stop_signals_to_the_rank))
 
 
 def _normalised(images: torch.Tensor) -> torch.Tensor:

@@ -156,6 +156,21 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def has_torchrun_agent() -> bool:
+    """torchrun's agent started this process and waits for it (so its death means the run is orphaned)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def check_address(ip: str | None) -> None:
+    """An --ip that does not resolve would fail deep in c10d, after the processes started."""
+    if ip:
+        try:
+            socket.getaddrinfo(ip, None)
+        except (socket.gaierror, UnicodeError) as error:
+            reason = getattr(error, "strerror", None) or error
+            raise UsageError(f"--ip {ip} does not resolve to an address ({reason})") from None
+
+
 def free_port(ip: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((ip, 0))
@@ -191,10 +206,11 @@ def spawn_errors():
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N"
     try:
         yield
-    except mp.ProcessExitedException as error:  # a rank exited: with 2 it has already said why
-        if error.exit_code != 2:
+    except mp.ProcessExitedException as error:
+        if error.exit_code < 0:  # killed by a signal it could not handle (SIGKILL, a crash): say which
             print(f"error: {error}", file=sys.stderr)
-        sys.exit(error.exit_code if error.exit_code > 0 else 1)
+            sys.exit(1)
+        sys.exit(error.exit_code)  # an exit status of its own: bad input, divergence or a stop; it said why
     except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
         print(error, file=sys.stderr)
         sys.exit(1)
@@ -204,6 +220,13 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks in place (a no-op in a world of one), and return it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """The maximum over all ranks in place (a no-op in a world of one), and return it."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

@@ -1,4 +1,4 @@
-"""Bad input is reported as one line on stderr with exit status 2, never as a traceback."""
+"""Errors the user can act on are reported as one line on stderr, never as a traceback."""
 import contextlib
 import os
 import sys
@@ -6,6 +6,15 @@ import sys
 
 class UsageError(Exception):
     """Input the user can fix (a flag, a missing file, a busy port): one line, exit status 2."""
+
+    exit_status = 2
+
+
+class Diverged(Exception):
+    """The training loss or the weights became NaN or infinite: one line, exit status 1, and the
+    last checkpoint is not overwritten."""
+
+    exit_status = 1
 
 
 def report(message: str) -> None:
@@ -17,10 +26,10 @@ def report(message: str) -> None:
 
 
 @contextlib.contextmanager
-def exit_on_usage_error():
-    """Turn a UsageError raised inside the block into its line on stderr and exit status 2."""
+def exit_on_error():
+    """Turn a UsageError or Diverged raised inside the block into its line on stderr and exit status."""
     try:
         yield
-    except UsageError as error:
+    except (UsageError, Diverged) as error:
         report(str(error))
-        sys.exit(2)
+        sys.exit(error.exit_status)

@@ -1,10 +1,13 @@
 """The command-line flags every script shares, and the checks that need no process group."""
 import argparse
+import math
 import os
 import re
 import sys
+import tempfile
 
 from utils import speed
+from utils.dist import check_address
 from utils.errors import UsageError
 
 
@@ -48,9 +51,10 @@ def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
     add("--epochs", type=positive_int, default=30, help="number of training epochs")
     add("--batch-size", type=positive_int, default=256,
         help="global batch size, summed over all processes/devices (per rank = global / world size)")
-    add("--lr", type=float, default=0.1, help="peak learning rate of SGD (cosine schedule over the epochs)")
-    add("--momentum", type=float, default=0.9, help="SGD momentum")
-    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay")
+    add("--lr", type=non_negative_float, default=0.1,
+        help="peak learning rate of SGD (cosine schedule over the epochs)")
+    add("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
+    add("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
     add("--workers", type=non_negative_int, default=4, help="DataLoader worker processes per rank")
     add("--loader", choices=["dataloader", "device"], default="dataloader",
@@ -101,6 +105,23 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
     return args
 
 
+def check_before_start(args) -> None:
+    """Checks of the flags that need the file system or the network, before any process starts or any
+    data loads, creating nothing: the output directory can be written (or made), and --ip resolves."""
+    path = os.path.abspath(args.output_dir)
+    existing = path
+    while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # a write, not os.access: root passes that on a read-only disk
+            pass
+    except OSError as error:
+        raise UsageError(f"--output-dir {args.output_dir}: cannot write in {existing} ({error.strerror})") from None
+    check_address(getattr(args, "ip", None))
+
+
 def per_rank_batch(global_batch: int, world_size: int, what: str = "the world size") -> int:
     """The global batch split evenly over the ranks; an uneven split is a UsageError."""
     if global_batch % world_size:
@@ -119,6 +140,14 @@ def non_negative_int(text: str) -> int:
     value = int(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0: torch.optim refuses negative ones, and NaN or inf would train to NaN."""
+    value = float(text)
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
     return value
 
 

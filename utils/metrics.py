@@ -10,8 +10,9 @@ from utils import dist
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None) -> dict:
-    """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size.
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None) -> dict | None:
+    """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size; None when
+    a stop signal came (`stop`: utils.stopping.StopSignals, asked once per batch on every rank).
 
     Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
     and DDP's forward would wait on the others at a step they never take. Each rank counts hits and
@@ -20,7 +21,13 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
     amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
-    for images, targets in loader:
+    batches = iter(loader)
+    for _ in range(_most_batches_of_any_rank(loader, device) if stop else len(loader)):
+        if stop and stop.agreed():
+            return None
+        images, targets = next(batches, (None, None))
+        if images is None:  # this rank's shard is one batch shorter: it still asks about stopping
+            continue
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with amp:
@@ -36,6 +43,11 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
             "samples": int(count)}
 
 
+def _most_batches_of_any_rank(loader, device: torch.device) -> int:
+    """Shards differ by one sample, so their batch counts by up to one; stop.agreed() needs the same count."""
+    return int(dist.all_reduce_max(torch.tensor([len(loader)], device=device)).item())
+
+
 class MetricsLog:
     """<output-dir>/metrics.jsonl, one JSON object per epoch, written by rank 0."""
 
@@ -47,8 +59,9 @@ class MetricsLog:
             if done_epochs and os.path.exists(self.path):
                 with open(self.path) as f:
                     kept = [line for line in f if line.strip() and json.loads(line)["epoch"] <= done_epochs]
-            with open(self.path, "w") as f:
+            with open(f"{self.path}.tmp", "w") as f:  # then renamed: a stop signal here loses no line
                 f.writelines(kept)
+            os.replace(f"{self.path}.tmp", self.path)
 
     def write(self, record: dict) -> None:
         if not self.is_main:

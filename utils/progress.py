@@ -2,6 +2,7 @@
 
 Printing a loss needs .item(), which waits for the device; doing it every step (as older tutorials
 do, often with a barrier) stalls the pipeline. Here the only per-step work is a tensor addition."""
+import math
 import resource
 import sys
 import time
@@ -10,18 +11,19 @@ import torch
 from tqdm import tqdm
 
 from utils import dist, speed
+from utils.errors import Diverged
 
 
 class EpochProgress:
-    """Iterate over one epoch's batches, from `start_step` on; with `snapshots`, save one every
-    --save-every-steps steps, and on a mid-epoch resume carry on the epoch's loss from the snapshot."""
+    """Iterate over one epoch's batches, from `start_step` on; on a mid-epoch resume carry on the
+    epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
-    def __init__(self, batches, steps: int, env, args, epoch: int, start_step: int = 0, snapshots=None):
-        self.batches, self.env, self.print_freq = batches, env, args.print_freq
+    def __init__(self, batches, steps: int, env, args, epoch: int, start_step: int = 0,
+                 epoch_loss: tuple[float, float] = (0.0, 0.0)):
+        self.batches, self.env, self.print_freq, self.lr = batches, env, args.print_freq, args.lr
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
         self.global_batch = args.batch_size
-        self.snapshots, self.save_every = snapshots, getattr(args, "save_every_steps", 0)
-        loss_sum, count = snapshots.epoch_loss if snapshots and start_step else (0.0, 0.0)
+        loss_sum, count = epoch_loss if start_step else (0.0, 0.0)
         # each rank carries 1/W of the saved totals, so the epoch's all-reduce adds them once
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
         self.loss_count = count / env.world_size
@@ -42,28 +44,42 @@ class EpochProgress:
         self.end = time.perf_counter()
 
     def record(self, loss: torch.Tensor) -> None:
-        """Call once per optimizer step with that step's mean training loss."""
+        """Call once per optimizer step, on every rank, with that step's mean training loss. Every
+        --print-freq steps: one all-reduce of the loss, printed by rank 0; a non-finite one raises Diverged."""
         self.loss_sum += loss.detach().float()
         self.loss_count += 1
         self.recorded += 1
         self.step += 1
         if self.bar:
             self.bar.update(1)
-        if self.step % self.print_freq == 0 and self.env.is_main:
+        if self.step % self.print_freq:
+            return
+        step_loss, epoch_sum = (dist.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
+                                / self.env.world_size).tolist()
+        self.check_finite(epoch_sum)
+        if self.env.is_main:
             rate = self.recorded * self.global_batch / (time.perf_counter() - self.start)
             if self.bar:
-                self.bar.set_postfix(loss=f"{loss.item():.4f}", img_s=f"{rate:.0f}")
+                self.bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{rate:.0f}")
             else:
                 print(f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total} "
-                      f"loss {loss.item():.4f} {rate:.0f} img/s", flush=True)
-        if self.snapshots and self.save_every and self.step % self.save_every == 0 and self.step < self.total:
-            self.snapshots.save(self.epoch, self.step, self.loss_so_far())  # the epoch's end saves by itself
+                      f"loss {step_loss:.4f} {rate:.0f} img/s", flush=True)
+
+    def check_finite(self, loss: float) -> None:
+        """Divergence ends the run: NaN or infinite weights would only be saved over a good checkpoint."""
+        if not math.isfinite(loss):
+            raise Diverged(f"the training loss is {loss} by epoch {self.epoch + 1}, step {self.step} (checked "
+                           f"every --print-freq {self.print_freq} steps and before each checkpoint): the run "
+                           f"diverged; try a lower --lr than {self.lr:g}; the last checkpoint, if any, is kept")
 
     def loss_so_far(self) -> tuple[float, float]:
-        """(sum, count) of the epoch's losses over all ranks: an all-reduce every rank joins."""
+        """(sum, count) of the epoch's losses over all ranks: an all-reduce every rank joins; a
+        non-finite sum raises Diverged on every rank."""
         totals = dist.all_reduce_sum(torch.stack([self.loss_sum.double(), torch.tensor(
             float(self.loss_count), dtype=torch.float64, device=self.env.device)]))
-        return tuple(totals.tolist())
+        loss_sum, count = totals.tolist()
+        self.check_finite(loss_sum)
+        return loss_sum, count
 
     def summary(self) -> dict:
         """Mean training loss over all ranks and steps, time and throughput (one all-reduce), this

@@ -1,0 +1,320 @@
+"""Stop signals, a launcher killed outright, and divergence: every rank stops at the same step with a
+checkpoint, no process is left, and the same command continues to the weights of a run never stopped."""
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, check, launcher, load_snapshot, run, subprocess_env
+from distributed_helpers import on_ranks
+
+from utils import metrics
+from utils.dist import free_port
+from utils.stopping import StopSignals
+
+# One epoch of 6 steps: a stop lands mid-epoch, and the continued run has steps left to prove it right.
+RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
+       "--epochs", "1", "--lr", "0.01", "--print-freq", "1"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run never stopped (2 ranks; every launcher gives the same weights to the bit)."""
+    out = tmp_path_factory.mktemp("never-stopped")
+    check(run(launcher("torchrun", "distributed.py") + RUN + ["--workers", "0", "--output-dir", str(out)]))
+    return out
+
+
+def process_tree(pid: int) -> list[int]:
+    """pid and all its descendants, from /proc."""
+    parents = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                pass
+    tree, frontier = [pid], [pid]
+    while frontier:
+        frontier = [p for p, parent in parents.items() if parent in frontier]
+        tree += frontier
+    return tree
+
+
+def alive(pids: list[int]) -> list[int]:
+    """Those of pids still running (a zombie waiting for its parent to reap it counts as gone)."""
+    left = []
+    for pid in pids:
+        try:
+            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                left.append(pid)
+        except (OSError, IndexError):
+            pass
+    return left
+
+
+def rank_process(launcher_pid: int, rank: int) -> int:
+    """The worker of `rank` among a torchrun agent's processes (torchrun exports RANK to each)."""
+    for pid in process_tree(launcher_pid):
+        try:
+            if f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
+                return pid
+        except OSError:
+            pass
+    raise AssertionError(f"no rank {rank} under {launcher_pid}")
+
+
+class Run:
+    """A training command started as a user would, in a session of its own (so that a test can signal
+    the whole process group, as Ctrl-C does), read line by line."""
+
+    def __init__(self, cmd: list[str], env: dict | None = None):
+        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.lines: list[str] = []
+
+    def wait_for(self, text: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if text in line:
+                return
+            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output}"
+        raise AssertionError(f"the run ended before {text!r}:\n{self.output}")
+
+    def finish(self, timeout: float = 60) -> tuple[int, float]:
+        """Wait for the launcher and every process it started; returns (exit status, seconds until the
+        last of them was gone). A process still running after `timeout` fails the test and is killed."""
+        pids = process_tree(self.proc.pid)
+        start = time.monotonic()
+        try:
+            self.lines += self.proc.stdout.readlines()
+            self.proc.wait(timeout)
+            while alive(pids) and time.monotonic() - start < timeout:
+                time.sleep(0.05)
+            left = alive(pids)
+            assert not left, f"processes left running: {left}\n{self.output}"
+        finally:
+            for pid in alive(pids):
+                os.kill(pid, signal.SIGKILL)
+        return self.proc.returncode, time.monotonic() - start
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)[-6000:]
+
+
+def assert_continues_to_the_reference(cmd: list[str], out: Path, reference: Path, step_said: str, env=None):
+    """The checkpoint holds the step the stop line named; the same command finishes the run bit for bit."""
+    snapshot = load_snapshot(out)
+    assert snapshot["epoch"] == 0 and f"step {snapshot['step']}/6" in step_said, step_said
+    again = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    assert f"epoch 1, step {snapshot['step']}" in again.stdout, again.stdout
+    expected, got = load_snapshot(reference), load_snapshot(out)
+    assert (got["epoch"], got["step"]) == (1, 0)
+    for key, tensor in expected["model"].items():
+        assert torch.equal(got["model"][key], tensor), key
+
+
+def stop_line(output: str) -> str:
+    lines = [line for line in output.splitlines() if line.startswith("stopped by")]
+    assert len(lines) == 1, output  # rank 0 speaks, once
+    return lines[0]
+
+
+# one continuation by a launcher here; the SLURM test continues an srun-like start (the torchrun code
+# path), and test_resume continues torchrun restarts: each costs the suite a run
+CONTINUED = ("spawn parent, SIGTERM",)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("how", ["spawn parent, SIGTERM", "torchrun agent, SIGINT", "one worker, SIGTERM",
+                                 "process group, Ctrl-C"])
+def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, reference, tmp_path):
+    kind, signum = {"spawn parent, SIGTERM": ("spawn", signal.SIGTERM),
+                    "torchrun agent, SIGINT": ("torchrun", signal.SIGINT),
+                    "one worker, SIGTERM": ("torchrun", signal.SIGTERM),
+                    "process group, Ctrl-C": ("spawn", signal.SIGINT)}[how]
+    script = "distributed.py" if kind == "torchrun" else "distributed_mp.py"
+    # DataLoader workers, which a signal to the process group reaches too, in one case
+    cmd = launcher(kind, script) + RUN + ["--workers", "1" if how.startswith("process group") else "0",
+                                          "--output-dir", str(tmp_path)]
+    started = Run(cmd)
+    started.wait_for("epoch 1/1 step 2/6")
+    if how.startswith("one worker"):
+        os.kill(rank_process(started.proc.pid, rank=1), signum)
+    elif how.startswith("process group"):
+        os.killpg(started.proc.pid, signum)
+    else:
+        os.kill(started.proc.pid, signum)
+    status, seconds = started.finish()
+    print(f"\n{how}: {seconds:.1f} s from the signal to the last process gone")
+    line = stop_line(started.output)
+    assert f"stopped by {signal.Signals(signum).name} at epoch 1, step" in line and "run the same command" in line
+    if kind == "spawn":
+        assert status == 128 + signum, started.output
+    else:  # torchrun reports its workers' exit status 128 + N as a failure, or dies of the signal itself
+        assert status != 0, started.output
+    assert seconds < 30  # torchrun and SLURM send SIGKILL 30 s after SIGTERM
+    if how in CONTINUED:
+        assert_continues_to_the_reference(cmd, tmp_path, reference, line)
+    else:
+        assert f"step {load_snapshot(tmp_path)['step']}/6:" in line
+
+
+def fake_scontrol(folder: Path, requeueable: bool) -> Path:
+    """A stand-in for SLURM's scontrol that records its arguments."""
+    log = folder / "scontrol.log"
+    script = folder / "scontrol"
+    script.write_text(f"""#!/bin/sh
+echo "$@" >> {log}
+if [ "$1" = show ]; then echo "JobId=$4 JobName=cifar Requeue={int(requeueable)} Restarts=0"; fi
+""")
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return log
+
+
+@pytest.mark.slow
+def test_slurm_usr1_saves_then_requeues_the_job_and_the_requeued_job_continues(reference, tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    log = fake_scontrol(bin_dir, requeueable=True)
+    out = tmp_path / "out"
+    port = str(free_port())
+    cmd = launcher("python", "distributed.py") + RUN + ["--workers", "0", "--output-dir", str(out)]
+
+    def task_env(rank: int) -> dict:
+        return subprocess_env(SLURM_PROCID=str(rank), SLURM_LOCALID=str(rank), SLURM_NTASKS="2",
+                              SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port,
+                              PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+    tasks = [Run(cmd, task_env(rank)) for rank in (0, 1)]
+    tasks[0].wait_for("epoch 1/1 step 2/6")
+    for task in tasks:  # #SBATCH --signal=USR1@90 signals every task of the job step
+        os.kill(task.proc.pid, signal.SIGUSR1)
+    results = [task.finish() for task in tasks]
+    assert [status for status, _ in results] == [128 + signal.SIGUSR1] * 2, tasks[0].output + tasks[1].output
+    line = stop_line(tasks[0].output)
+    assert "SLURM job 4242 requeued" in tasks[0].output
+    assert log.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]  # rank 0 alone requeues
+    rank0_env = task_env(0)
+    continued = Run(cmd, task_env(1))  # the requeued job: the same tasks run the same command
+    assert_continues_to_the_reference(cmd, out, reference, line, env=rank0_env)
+    assert continued.finish(timeout=120)[0] == 0, continued.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["spawn", "torchrun"])
+def test_a_launcher_killed_outright_leaves_no_rank_running(kind, tmp_path):
+    script = "distributed.py" if kind == "torchrun" else "distributed_mp.py"
+    started = Run(launcher(kind, script) + RUN + ["--workers", "0", "--output-dir", str(tmp_path)])
+    started.wait_for("epoch 1/1 step 1/6")
+    ranks = [p for p in process_tree(started.proc.pid) if p != started.proc.pid]
+    os.kill(started.proc.pid, signal.SIGKILL)
+    status, seconds = started.finish()
+    print(f"\n{kind} killed: its ranks gone {seconds:.1f} s later")
+    assert status == -signal.SIGKILL and not alive(ranks)
+    assert "stopped by the launcher's exit" in started.output, started.output
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    # at --lr 1e8 the loss is finite for two steps, then NaN; a checkpoint after every step
+    result = run(launcher("python", "distributed.py") + RUN + [
+        "--workers", "0", "--lr", "1e8", "--save-every-steps", "1", "--print-freq", "100",
+        "--output-dir", str(tmp_path)])
+    assert result.returncode == 1, result.stdout[-2000:] + result.stderr[-2000:]
+    errors = [line for line in result.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1 and "diverged" in errors[0] and "--lr than 1e+08" in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    kept = load_snapshot(tmp_path)
+    assert 1 <= kept["step"] < 6
+    assert all(torch.isfinite(t).all() for t in kept["model"].values() if t.is_floating_point())
+
+
+def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
+    from test_resume import tiny_snapshots
+
+    from utils.errors import Diverged
+    model = torch.nn.Linear(3, 2)
+    snapshots = tiny_snapshots(tmp_path, model)
+    snapshots.args.lr = 0.1
+    snapshots.save(1)
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    with pytest.raises(Diverged, match="not finite"):
+        snapshots.save(2)
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before
+
+
+def agree_after_a_signal_to_rank_1(rank, world_size):
+    """Rank 1 receives SIGUSR1 between two polls; returns the poll at which each rank saw the agreement."""
+    stop = StopSignals()
+    stop.arm(world_size)
+    for poll in range(20):
+        if poll == 3 and rank == 1:
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.5)  # the watching thread records it
+        if stop.agreed():
+            stop.finish()
+            return poll, stop.name
+    return None, ""
+
+
+def test_the_ranks_agree_on_the_same_step(tmp_path):
+    results = on_ranks(3, agree_after_a_signal_to_rank_1, results_dir=tmp_path)
+    assert results == [(4, "SIGUSR1")] * 3  # read at the poll after the one that carried it
+
+
+class StopAt:
+    """A stand-in for StopSignals in a world of one, agreeing at a given poll."""
+
+    def __init__(self, poll: int):
+        self.polls, self.at = 0, poll
+
+    def agreed(self) -> bool:
+        self.polls += 1
+        return self.polls > self.at
+
+
+def test_evaluation_gives_way_to_a_stop_signal():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5))
+    loader = [(torch.randn(4, 3, 2, 2), torch.randint(0, 5, (4,))) for _ in range(3)]
+    assert metrics.evaluate(model, loader, torch.device("cpu"), stop=StopAt(2)) is None
+    assert metrics.evaluate(model, loader, torch.device("cpu"), stop=StopAt(5))["samples"] == 12
+
+
+def handles_sigterm(launcher_pid: int) -> bool:
+    """A child of launcher_pid has a handler for SIGTERM (SigCgt in /proc/PID/status)."""
+    for pid in process_tree(launcher_pid)[1:]:
+        try:
+            caught = [line for line in (Path("/proc") / str(pid) / "status").read_text().splitlines()
+                      if line.startswith("SigCgt:")]
+        except OSError:
+            continue
+        if caught and int(caught[0].split()[1], 16) & (1 << (signal.SIGTERM - 1)):
+            return True
+    return False
+
+
+@pytest.mark.slow
+def test_a_signal_while_starting_exits_at_once(tmp_path):
+    # a rank waiting at the rendezvous for a peer that never comes (spawn --nnodes 2, one machine started)
+    cmd = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", "0", "--nprocs", "1",
+           "--ip", "127.0.0.1", "--port", str(free_port()), *RUN, "--output-dir", str(tmp_path)]
+    started = Run(cmd)
+    deadline = time.monotonic() + 120
+    while not handles_sigterm(started.proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    time.sleep(2)  # in the rendezvous by now (its timeout is 300 s)
+    os.kill(started.proc.pid, signal.SIGTERM)
+    status, seconds = started.finish(timeout=20)
+    assert status == 128 + signal.SIGTERM and seconds < 5, started.output
+    assert "stopped by SIGTERM while starting" in started.output
