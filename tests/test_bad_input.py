@@ -28,6 +28,7 @@ CASES = {
     "nan-lr": ("distributed", ["--lr", "nan"], "--lr"),
     "negative-momentum": ("distributed_apex", ["--momentum", "-1"], "--momentum"),
     "infinite-weight-decay": ("dataparallel", ["--weight-decay", "inf"], "--weight-decay"),
+    "empty-output-dir": ("distributed_mp", ["--output-dir="], "--output-dir is empty"),
     "ip-does-not-resolve": ("distributed_mp", ["--ip", "no-such-host.invalid"], "does not resolve"),
     "ip-does-not-resolve-torchrun-script": ("distributed", ["--ip", "no-such-host.invalid"], "does not resolve"),
 }
@@ -66,7 +67,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     out.mkdir()
     (out / "metrics.jsonl").write_text("earlier run\n")
     with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(TINY + flags + ["--output-dir", str(out)])
+        importlib.import_module(module).main(TINY + ["--output-dir", str(out)] + flags)  # a case may name its own
     result = SimpleNamespace(returncode=exit_info.value.code, stderr=capsys.readouterr().err)
     assert_one_line_error(result, expected)
     assert (out / "metrics.jsonl").read_text() == "earlier run\n"

@@ -108,6 +108,8 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
 def check_before_start(args) -> None:
     """Checks of the flags that need the file system or the network, before any process starts or any
     data loads, creating nothing: the output directory can be written (or made), and --ip resolves."""
+    if not args.output_dir.strip():
+        raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
     path = os.path.abspath(args.output_dir)
     existing = path
     while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides

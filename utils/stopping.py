@@ -28,6 +28,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from utils.errors import report
+
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 GRACE_S = 25  # torchrun (--shutdown-timeout) and SLURM (KillWait) send SIGKILL 30 s after SIGTERM
 _LAUNCHER_GONE = "the launcher's exit"
@@ -123,9 +125,9 @@ class StopSignals:
             elif self._launcher is not None and os.getppid() != self._launcher:
                 self._request(signal.SIGTERM, _LAUNCHER_GONE)
             if self._deadline and time.monotonic() > self._deadline:
-                _say(f"error: the run did not reach a step boundary within {GRACE_S} s of {self.reason} "
-                     "(a rank stuck or a step slower than that); exiting without a new checkpoint, "
-                     "the last one is kept")
+                report(f"the run did not reach a step boundary within {GRACE_S} s of {self.reason} "
+                       "(a rank stuck or a step slower than that); exiting without a new checkpoint, "
+                       "the last one is kept")
                 for child in multiprocessing.active_children():  # DataLoader workers: none left behind
                     child.kill()
                 os._exit(128 + self.received)
@@ -169,6 +171,9 @@ class WorkersForkedWithSignalsHeld:
 
     def __len__(self) -> int:
         return len(self.loader)
+
+    def __getattr__(self, name: str):  # .dataset, .batch_size, ...: the DataLoader's own
+        return getattr(self.loader, name)
 
     def __iter__(self):
         held = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
