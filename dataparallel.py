@@ -12,20 +12,24 @@ import sys
 
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler
 
-from utils import checkpoint, data, dist, flags, metrics, models, speed, stopping
+from utils import data, flags, launch, metrics, models, stopping, techniques
+from utils.checkpoint import Checkpoint
 from utils.errors import UsageError, exit_on_error
 from utils.progress import EpochProgress
 
 
 def parse_args(argv=None):
-    parser = flags.make_parser(__doc__, __file__, distributed=False)
-    parser.add_argument("--gpu", default=None, metavar="0,1,...",
-                        help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
+    parser = flags.make_parser(__doc__, __file__)
+    parser.group("processes and devices").add_argument(
+        "--gpu", default=None, metavar="0,1,...",
+        help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
+    flags.add_shared_flags(parser, distributed=False)
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots):
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint):
     """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
     model.train()
     for images, targets in progress:
@@ -38,49 +42,53 @@ def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots)
         progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
         if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
             return
-        if snapshots.due(progress.step, progress.total):  # --save-every-steps
-            snapshots.save(progress.epoch, progress.step, progress.loss_so_far())
+        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
+            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
 
 
 def train(args, env, stop, gpus) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     data.prepare(args, env)
     train_set, test_set = data.load(args, train=True), data.load(args, train=False)
-    train_loader = data.train_loader(train_set, batch, env, args)  # --loader: DataLoader workers, or on the device
-    test_loader = data.test_loader(test_set, batch, env, args)
+    # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
+    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device, memory_format=speed.memory_format(args))
-    speed.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
+    model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
+    techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
     model = nn.DataParallel(model, device_ids=gpus) if gpus else model
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
-    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
 
     if args.evaluate:
-        snapshots.load_weights()
+        checkpoint.load_weights()
         results = metrics.evaluate(model, test_loader, env.device)
         metrics.write_eval(args.output_dir, results, env.is_main)
         return 0
-    start_epoch, start_step = snapshots.resume()
+    start_epoch, start_step = checkpoint.resume()
     log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
     if start_epoch == args.epochs and env.is_main:
-        print(f"nothing left to train: the snapshot has all {args.epochs} epochs (--evaluate tests it)")
+        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
-        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
-                                 start_step, snapshots.epoch_loss)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots)
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
+                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint)
         # split over the GPUs too; None if a stop signal comes during it
         results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop)
         if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
-            snapshots.save(epoch, progress.step, progress.loss_so_far())
-            return stop.finish_stopped_run(epoch, progress.step, progress.total, snapshots.path, env.is_main)
+            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
+                                           path=checkpoint.path, is_main=env.is_main)
         log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
                    "world_size": env.world_size})
         scheduler.step()
-        snapshots.save(epoch + 1)
+        checkpoint.save(epoch=epoch + 1)
         start_step = 0
     stop.finish()
     return 0
@@ -89,7 +97,7 @@ def train(args, env, stop, gpus) -> int:
 def choose_gpus(args) -> list[int]:
     """The GPU indices named by --gpu (all visible ones by default); [] to run on the CPU."""
     visible = torch.cuda.device_count()
-    if dist.resolve_device(args.device) == "cpu":
+    if launch.resolve_device(args.device) == "cpu":
         if args.gpu:
             why = "--device cpu was asked for" if visible else "no GPU is visible (check CUDA_VISIBLE_DEVICES)"
             raise UsageError(f"--gpu {args.gpu} names GPUs, but {why}; drop --gpu to train on the CPU")
@@ -125,7 +133,7 @@ def main(argv=None):
         gpus = choose_gpus(args)
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         stop.arm(world_size=1)
-        status = train(args, dist.Env(rank=0, local_rank=0, world_size=1, device=device), stop, gpus)
+        status = train(args, launch.Env(rank=0, local_rank=0, world_size=1, device=device), stop, gpus)
     sys.exit(status)
 
 

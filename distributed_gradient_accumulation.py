@@ -13,24 +13,30 @@ import contextlib
 import sys
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DistributedSampler
 
-from utils import checkpoint, data, dist, flags, metrics, models, speed, stopping, syncbn
-from utils.errors import UsageError, exit_on_error
+from utils import data, flags, launch, metrics, models, stopping, techniques
+from utils.checkpoint import Checkpoint
+from utils.errors import exit_on_error
 from utils.progress import EpochProgress
+from utils.syncbn import CpuSyncBatchNorm
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    flags.add_spawn_flags(parser, "processes on this machine; default: one per visible GPU, or 2 on the CPU")
-    parser.add_argument("--grad-accu-steps", type=flags.positive_int, default=2,
-                        help="micro-batches per optimizer step; must divide the per-rank batch")
+    parser.group("gradient accumulation").add_argument(
+        "--grad-accu-steps", type=flags.positive_int, default=2,
+        help="micro-batches per optimizer step; must divide the per-rank batch")
+    flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    flags.add_shared_flags(parser)
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots, accu_steps):
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, accu_steps):
     """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
     model.train()
     for images, targets in progress:
@@ -49,89 +55,87 @@ def train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots,
         progress.record(step_loss)  # summed on the device; every --print-freq steps printed and checked finite
         if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
             return
-        if snapshots.due(progress.step, progress.total):  # --save-every-steps
-            snapshots.save(progress.epoch, progress.step, progress.loss_so_far())
+        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
+            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
 
 
 def train(args, env, stop) -> int:
-    batch = flags.per_rank_batch(args.batch_size, env.world_size)
-    micro_batches(batch, args.grad_accu_steps)
+    batch = flags.per_rank_batch(args.batch_size, env.world_size, args.grad_accu_steps)  # in equal micro-batches
     data.prepare(args, env)
     train_set, test_set = data.load(args, train=True), data.load(args, train=False)
-    train_loader = data.train_loader(train_set, batch, env, args)  # --loader: DataLoader workers, or on the device
-    test_loader = data.test_loader(test_set, batch, env, args)
+    # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
+    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device, memory_format=speed.memory_format(args))
+    model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
-        model = syncbn.convert(model, env.device)
+        sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
+        model = sync_bn.convert_sync_batchnorm(model)
     # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, **speed.ddp_options(args))
-    speed.register_comm_hook(model, args.comm_hook, train_loader.steps)  # float32 all-reduce, or compressed
-    speed.compile_if_asked(model, args)
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                **techniques.ddp_options(args))
+    techniques.register_comm_hook(model, args.comm_hook, train_loader.steps)  # float32 all-reduce, or compressed
+    techniques.compile_if_asked(model, args)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
-    snapshots = checkpoint.Snapshots(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
 
     if args.evaluate:
-        snapshots.load_weights()
+        checkpoint.load_weights()
         results = metrics.evaluate(model.module, test_loader, env.device)
         metrics.write_eval(args.output_dir, results, env.is_main)
         return 0
-    start_epoch, start_step = snapshots.resume()
+    start_epoch, start_step = checkpoint.resume()
     log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
     if start_epoch == args.epochs and env.is_main:
-        print(f"nothing left to train: the snapshot has all {args.epochs} epochs (--evaluate tests it)")
+        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
-        progress = EpochProgress(train_loader.epoch(epoch, start_step), train_loader.steps, env, args, epoch,
-                                 start_step, snapshots.epoch_loss)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, snapshots, args.grad_accu_steps)
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
+                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, args.grad_accu_steps)
         # the unwrapped module (see metrics.evaluate); None if a stop signal comes during it
         results = None if stop.agreed() else metrics.evaluate(model.module, test_loader, env.device, stop=stop)
         if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
-            snapshots.save(epoch, progress.step, progress.loss_so_far())
-            return stop.finish_stopped_run(epoch, progress.step, progress.total, snapshots.path, env.is_main)
+            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
+                                           path=checkpoint.path, is_main=env.is_main)
         log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
                    "world_size": env.world_size})
         scheduler.step()
-        snapshots.save(epoch + 1)
+        checkpoint.save(epoch=epoch + 1)
         start_step = 0
     stop.finish()
     return 0
-
-
-def micro_batches(per_rank_batch, accu_steps):
-    if per_rank_batch % accu_steps:
-        raise UsageError(f"the per-rank batch ({per_rank_batch}) is not divisible by --grad-accu-steps {accu_steps}")
 
 
 def worker(local_rank, args):
     """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
     stop = stopping.StopSignals(watch_launcher=True)  # SIGTERM, Ctrl-C, SIGUSR1, or the parent gone
     with exit_on_error():
-        env = dist.init_process(args, local_rank)
+        env = launch.this_process(args, local_rank)  # rank, world size, device and meeting point (--ip:--port)
+        # join the process group: every rank waits here until all env.world_size processes have joined
+        dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
+                                timeout=env.timeout)
         stop.arm(env.world_size)
         try:
             status = train(args, env, stop)
         finally:
-            dist.teardown()
+            dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if dist.launched_by_torchrun():  # torchrun started this process as one rank: start no others
+    if launch.launched_by_torchrun():  # torchrun started this process as one rank: start no others
         return worker(None, args)
-    with exit_on_error():  # check all that can be checked before starting any process
-        args.nprocs = args.nprocs or dist.default_nprocs(args.device)
-        dist.check_launch(args, local_processes=args.nprocs)
-        micro_batches(flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs), args.grad_accu_steps)
-        flags.check_before_start(args)
-        data.prepare(args, env=None)
-        checkpoint.check_before_start(args, __file__)
-        dist.prepare_rendezvous(args)
+    with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
+        args.nprocs = args.nprocs or launch.default_nprocs(args.device)
+        launch.check_before_spawn(args, __file__)
     # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
-    with dist.spawn_errors(), stopping.forwarded_to_children():
+    with launch.spawn_errors(), stopping.forwarded_to_children():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
 
 

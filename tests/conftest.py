@@ -51,7 +51,7 @@ def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def load_snapshot(output_dir: Path) -> dict:
+def load_checkpoint(output_dir: Path) -> dict:
     return torch.load(output_dir / "checkpoint.pt", map_location="cpu", weights_only=True)
 
 

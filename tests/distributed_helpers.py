@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils.dist import free_port
+from utils.launch import free_port
 
 # What the scripts' train_one_epoch takes beside the model, for tests that call it directly:
 NEVER_STOPPED = SimpleNamespace(agreed=lambda: False)  # utils.stopping.StopSignals with no signal
-NO_CHECKPOINTS = SimpleNamespace(due=lambda step, steps: False)  # checkpoint.Snapshots, no --save-every-steps
+NO_CHECKPOINTS = SimpleNamespace(due=lambda step, steps: False)  # checkpoint.Checkpoint, no --save-every-steps
 
 
 def _entry(rank, world_size, port, fn, args, results_dir, backend):

@@ -10,7 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_gradient_accumulation as script
-from utils.dist import Env
+from utils.launch import Env
 from utils.progress import EpochProgress
 
 STEPS, PER_RANK_BATCH = 3, 8
@@ -39,7 +39,7 @@ def train_on_rank(rank, world_size, accu_steps):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
     args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=world_size * PER_RANK_BATCH)
-    progress = EpochProgress(shard, STEPS, env, args, epoch=0)
+    progress = EpochProgress(shard, steps=STEPS, epoch=0, env=env, args=args)
     script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS,
                            accu_steps)
     return {"weights": [p.detach().clone() for p in model.parameters()], "all_reduces": len(all_reduces),

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, check, launcher, run
 
-from utils import dist
+from utils import launch
 from utils.errors import UsageError
 
 # Checked in-process, through each script's main(): these fail before any process would start.
@@ -21,7 +21,7 @@ CASES = {
                                   "--grad-accu-steps 3"),
     "apex-opt-level-O2": ("distributed_apex", ["--opt-level", "O2"], "O1"),
     "apex-fused-sgd-missing": ("distributed_apex", ["--optimizer", "apex-fused-sgd"], "NVIDIA apex"),
-    "no-snapshot-to-evaluate": ("distributed_mp", ["--evaluate"], "no snapshot"),
+    "no-checkpoint-to-evaluate": ("distributed_mp", ["--evaluate"], "no checkpoint"),
     "bad-flag-value": ("distributed", ["--epochs", "0"], "--epochs"),
     "node-rank-outside": ("distributed_mp", ["--nnodes", "2", "--node-rank", "2", "--port", "29999"], "--node-rank 2"),
     "negative-lr": ("distributed_mp", ["--lr", "-1"], "--lr"),
@@ -86,7 +86,7 @@ def test_an_output_dir_that_is_a_file_is_refused_untouched(module, tmp_path, cap
 
 
 def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):
-    """A snapshot of another script: the spawn parent refuses it before starting any process; under
+    """A checkpoint of another script: the spawn parent refuses it before starting any process; under
     torchrun the ranks find it themselves, and only rank 0 says so."""
     out = tmp_path / "out"
     out.mkdir()
@@ -126,20 +126,20 @@ def test_port_in_use(tmp_path):
 
 def test_more_processes_than_gpus_with_nccl(monkeypatch):
     """Needs GPUs to reach through a script; the check itself is tested with a pretended count."""
-    monkeypatch.setattr(dist, "resolve_device", lambda flag: "cuda")
+    monkeypatch.setattr(launch, "resolve_device", lambda flag: "cuda")
     args = SimpleNamespace(device="cuda", backend="auto")
     with pytest.raises(UsageError, match="4 processes on this machine but only 2 GPU"):
-        dist.check_launch(args, local_processes=4, gpu_count=2)
-    dist.check_launch(args, local_processes=2, gpu_count=2)
+        launch.check_launch(args, local_processes=4, gpu_count=2)
+    launch.check_launch(args, local_processes=2, gpu_count=2)
 
 
-def test_corrupt_snapshot_is_refused_and_left_untouched(tmp_path):
+def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    (out / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a snapshot")
+    (out / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
     before = (out / "checkpoint.pt").read_bytes()
     result = run(launcher("python", "distributed.py") + TINY + ["--output-dir", str(out)], timeout=120)
-    assert_one_line_error(result, "not a readable snapshot")
+    assert_one_line_error(result, "not a readable checkpoint")
     assert (out / "checkpoint.pt").read_bytes() == before
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 import torch
 import torchvision
+from torch.utils.data import DistributedSampler
 
 from utils import data
 from utils.errors import UsageError
@@ -94,14 +95,29 @@ def test_synthetic_set_is_a_prefix_and_differs_between_train_and_test():
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_global_batches_are_the_same_at_every_world_size(world_size):
     dataset = data.Images(*data.synthetic(50, train=True), augment=False, seed=0)
-    args = SimpleNamespace(seed=7, workers=0)
-    reference = data.TrainLoader(dataset, 6, 0, 1, args, pin=False)
-    loaders = [data.TrainLoader(dataset, 6 // world_size, r, world_size, args, pin=False) for r in range(world_size)]
+    samplers = [DistributedSampler(dataset, num_replicas=world_size, rank=r, seed=7, drop_last=True)
+                for r in range(world_size)]
+    one = DistributedSampler(dataset, num_replicas=1, rank=0, seed=7, drop_last=True)
+    reference = data.TrainLoader(dataset, one, 6, workers=0, pin=False)
+    loaders = [data.TrainLoader(dataset, s, 6 // world_size, workers=0, pin=False) for s in samplers]
     for epoch in (0, 1):
+        for sampler in [one, *samplers]:
+            sampler.set_epoch(epoch)
         expected = [set(batch) for batch in _indices(reference.epoch(epoch), dataset)]
         ranks = [list(_indices(loader.epoch(epoch), dataset)) for loader in loaders]
         assert all(loader.steps == reference.steps == 50 // 6 for loader in loaders)
         assert [set().union(*(r[k] for r in ranks)) for k in range(reference.steps)] == expected
+
+
+def test_a_forgotten_set_epoch_is_an_error_not_a_repeated_order():
+    dataset = data.Images(*data.synthetic(50, train=True), augment=False, seed=0)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=7, drop_last=True)
+    loader = data.TrainLoader(dataset, sampler, 6, workers=0, pin=False)
+    loader.epoch(0)
+    with pytest.raises(RuntimeError, match=r"sampler.set_epoch\(1\)"):
+        loader.epoch(1)
+    with pytest.raises(ValueError, match="drop_last"):
+        data.TrainLoader(dataset, DistributedSampler(dataset, num_replicas=1, rank=0), 6, workers=0, pin=False)
 
 
 def _indices(loader, dataset):
@@ -116,5 +132,5 @@ def test_test_shards_cover_the_test_set_exactly_once(world_size):
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
     args = SimpleNamespace(workers=0)
     envs = [SimpleNamespace(rank=r, world_size=world_size, device=torch.device("cpu")) for r in range(world_size)]
-    seen = [i for env in envs for i in data.test_loader(dataset, 4, env, args).dataset.indices]
+    seen = [i for env in envs for i in data.test_loader(dataset, per_rank_batch=4, env=env, args=args).dataset.indices]
     assert sorted(seen) == list(range(10))

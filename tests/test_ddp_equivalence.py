@@ -13,7 +13,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed as script
-from utils.dist import Env
+from utils.launch import Env
 from utils.models import resnet18_cifar
 from utils.progress import EpochProgress
 from utils.syncbn import CpuSyncBatchNorm
@@ -31,7 +31,7 @@ def train(model, data, rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
     args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=GLOBAL_BATCH)
-    progress = EpochProgress(data, STEPS, env, args, epoch=0)
+    progress = EpochProgress(data, steps=STEPS, epoch=0, env=env, args=args)
     script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS)
     inner = model.module if isinstance(model, DDP) else model
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}

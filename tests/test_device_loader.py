@@ -4,8 +4,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+from torch.utils.data import DistributedSampler
 
-from utils import data, flags
+from utils import data
 from utils.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -15,17 +16,26 @@ def env(rank, world_size):
     return SimpleNamespace(rank=rank, world_size=world_size, device=CPU)
 
 
-def both(make, *args, **kwargs):
-    return [make(*args, SimpleNamespace(**kwargs, loader=loader)) for loader in ("dataloader", "device")]
+def sampler(dataset, rank, world_size, seed):
+    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=True)
+
+
+def both_train_loaders(dataset, batch, rank, world_size, seed):
+    """The DataLoader and the device loader over one sampler."""
+    shared = sampler(dataset, rank, world_size, seed)
+    return shared, [data.train_loader(dataset, shared, per_rank_batch=batch, env=env(rank, world_size),
+                                      args=SimpleNamespace(workers=0, loader=loader))
+                    for loader in ("dataloader", "device")]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_device_train_batches_equal_the_dataloader_batches(world_size):
     dataset = data.Images(*data.synthetic(50, train=True), augment=True, seed=3)
     for rank in range(world_size):
-        reference, device = both(data.train_loader, dataset, 4, env(rank, world_size), seed=3, workers=0)
+        shared, (reference, device) = both_train_loaders(dataset, 4, rank, world_size, seed=3)
         assert isinstance(device, data.DeviceTrainLoader) and device.steps == reference.steps == 50 // world_size // 4
         for epoch, start_step in ((0, 0), (1, 0), (1, 2)):
+            shared.set_epoch(epoch)
             expected = list(reference.epoch(epoch, start_step))
             got = list(device.epoch(epoch, start_step))
             assert len(got) == len(expected) == reference.steps - start_step
@@ -37,7 +47,9 @@ def test_device_test_batches_equal_the_dataloader_shard():
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
     for world_size in (1, 2, 3):
         for rank in range(world_size):
-            reference, device = both(data.test_loader, dataset, 3, env(rank, world_size), workers=0)
+            reference, device = [data.test_loader(dataset, per_rank_batch=3, env=env(rank, world_size),
+                                                  args=SimpleNamespace(workers=0, loader=loader))
+                                  for loader in ("dataloader", "device")]
             expected, got = list(reference), list(device)
             assert len(got) == len(expected) == len(device)
             for (want_x, want_y), (x, y) in zip(expected, got, strict=True):
@@ -47,13 +59,13 @@ def test_device_test_batches_equal_the_dataloader_shard():
 def test_device_loader_without_a_whole_batch_is_a_usage_error():
     dataset = data.Images(*data.synthetic(5, train=True), augment=True, seed=0)
     with pytest.raises(UsageError, match="make no whole batch of --batch-size 8"):
-        data.train_loader(dataset, 4, env(0, 2), SimpleNamespace(seed=0, workers=0, loader="device"))
+        both_train_loaders(dataset, 4, rank=0, world_size=2, seed=0)
 
 
 def test_loader_flag():
-    parser = flags.make_parser("doc", "distributed.py")
-    assert flags.parse(parser, []).loader == "dataloader"
-    assert flags.parse(parser, ["--loader", "device"]).loader == "device"
+    import distributed
+    assert distributed.parse_args([]).loader == "dataloader"
+    assert distributed.parse_args(["--loader", "device"]).loader == "device"
 
 
 def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
@@ -75,7 +87,7 @@ def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
 @pytest.mark.parametrize(("top", "left", "flip"), [(0, 0, 0), (8, 8, 1), (0, 8, 1), (8, 0, 0), (3, 5, 1)])
 def test_a_padded_crop_matches_torchvision(monkeypatch, top, left, flip):
     dataset = data.Images(*data.synthetic(8, train=True), augment=True, seed=0)
-    loader = data.train_loader(dataset, 4, env(0, 1), SimpleNamespace(seed=0, workers=0, loader="device"))
+    _, (_, loader) = both_train_loaders(dataset, 4, rank=0, world_size=1, seed=0)
     monkeypatch.setattr(data, "augment_draws", lambda seed, epoch, indices: tuple(
         torch.full_like(indices, v) for v in (top, left, flip)))
     images, _ = loader.batch(torch.tensor([5, 2]), epoch=0)

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import check, launcher, load_snapshot, read_metrics, run
+from conftest import check, launcher, load_checkpoint, read_metrics, run
 
 # name -> (launcher, script, extra flags); all float32, all with batch statistics over the global batch
 EQUIVALENT = {
@@ -38,10 +38,10 @@ def test_script_trains_and_writes_its_outputs(runs, name):
     assert record["epoch"] == 1 and record["samples"] == 21
     assert record["world_size"] == (1 if EQUIVALENT[name][0] == "python" else 2)
     assert record["images_per_s"] > 0 and 0 < record["train_loss"] < 20
-    snapshot = load_snapshot(out)
-    assert {"model", "optimizer", "scheduler", "epoch", "step"} <= set(snapshot)
-    assert snapshot["epoch"] == 1 and snapshot["step"] == 0
-    assert not any(key.startswith("module.") for key in snapshot["model"])
+    checkpoint = load_checkpoint(out)
+    assert {"model", "optimizer", "scheduler", "epoch", "step"} <= set(checkpoint)
+    assert checkpoint["epoch"] == 1 and checkpoint["step"] == 0
+    assert not any(key.startswith("module.") for key in checkpoint["model"])
     assert not (out / "checkpoint.pt.tmp").exists()
 
 
@@ -51,7 +51,7 @@ def test_launchers_give_the_same_weights_bit_for_bit(runs, name):
     the weights after 3 steps are equal to the last bit. (Across world sizes float32 sums in another
     order; test_ddp_equivalence.py shows 2 ranks == 1 process in float64.)"""
     reference = "one-process" if EQUIVALENT[name][0] == "python" else "torchrun"
-    expected, got = load_snapshot(get(runs, reference)), load_snapshot(get(runs, name))
+    expected, got = load_checkpoint(get(runs, reference)), load_checkpoint(get(runs, name))
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
     for want, have in zip(expected["optimizer"]["state"].values(), got["optimizer"]["state"].values(),
@@ -70,7 +70,7 @@ def test_mixed_precision_bfloat16_under_torchrun(runs):
                "--train-samples", "16", "--test-samples", "8")
     (record,) = read_metrics(out)
     assert record["world_size"] == 2 and record["samples"] == 8
-    assert "scaler" in load_snapshot(out)  # disabled for bfloat16, but saved so resume is uniform
+    assert "scaler" in load_checkpoint(out)  # disabled for bfloat16, but saved so resume is uniform
 
 
 def test_accumulation_script_under_spawn(runs):

@@ -51,9 +51,12 @@ def test_device_loader_on_cuda_gives_the_cpu_batches():
 
     from utils import data
     dataset = data.Images(*data.synthetic(40, train=True), augment=True, seed=5)
-    args = SimpleNamespace(seed=5, workers=0, loader="device")
-    loaders = [data.train_loader(dataset, 8, SimpleNamespace(rank=0, world_size=1, device=torch.device(d)), args)
-               for d in ("cpu", "cuda")]
+    from torch.utils.data import DistributedSampler
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=5, drop_last=True)
+    sampler.set_epoch(1)
+    args = SimpleNamespace(workers=0, loader="device")
+    loaders = [data.train_loader(dataset, sampler, per_rank_batch=8, env=SimpleNamespace(device=torch.device(d)),
+                                 args=args) for d in ("cpu", "cuda")]
     for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(*(loader.epoch(1) for loader in loaders),
                                                                     strict=True):
         torch.testing.assert_close(gpu_images.cpu(), cpu_images, rtol=0, atol=1e-6)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TINY, load_snapshot, subprocess_env
+from conftest import ROOT, TINY, load_checkpoint, subprocess_env
 
-from utils.dist import first_host, free_port, slurm_address
+from utils.launch import first_host, free_port, slurm_address
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -34,7 +34,7 @@ def assert_all_ok(results):
 
 
 def assert_same_bits(reference, out):
-    expected, got = load_snapshot(reference), load_snapshot(out)
+    expected, got = load_checkpoint(reference), load_checkpoint(out)
     assert got["world_size"] == 2
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
@@ -119,7 +119,7 @@ def test_machines_that_disagree_on_the_job_are_stopped_before_training(tmp_path)
     first, second = start_machines(cmds, timeout=120)
     assert first.returncode == 2 and second.returncode == 2
     assert "another one with --nnodes 2 --nprocs 1" in last_line(second), second.stderr[-2000:]
-    assert "not all 2 processes joined" in last_line(first), first.stderr[-2000:]
+    assert "not all processes joined" in last_line(first), first.stderr[-2000:]
     assert not (tmp_path / "metrics.jsonl").exists()
 
 

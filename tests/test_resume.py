@@ -1,4 +1,4 @@
-"""Snapshots and resume: a killed rank costs the steps since the last snapshot, never the run."""
+"""Checkpoints and resume: a killed rank costs the steps since the last checkpoint, never the run."""
 import os
 import shutil
 import signal
@@ -9,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, check, launcher, load_snapshot, read_metrics, run, subprocess_env
+from conftest import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
 from torch import nn
 
 from utils import checkpoint
 from utils.errors import UsageError
 
-# 2 epochs of 6 steps, a snapshot every 2 steps; lr 0.01 keeps float32 runs at other world sizes close
+# 2 epochs of 6 steps, a checkpoint every 2 steps; lr 0.01 keeps float32 runs at other world sizes close
 RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
        "--epochs", "2", "--lr", "0.01", "--workers", "0", "--print-freq", "1", "--save-every-steps", "2"]
 
@@ -75,7 +75,7 @@ def without_progress(output: str) -> str:
 
 
 def assert_same_weights_bit_for_bit(a: Path, b: Path):
-    expected, got = load_snapshot(a), load_snapshot(b)
+    expected, got = load_checkpoint(a), load_checkpoint(b)
     assert (got["epoch"], got["step"]) == (expected["epoch"], expected["step"]) == (2, 0)
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
@@ -89,7 +89,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_ends_as_if_never_killed(ref
     proc, output, back_after = run_and_kill(cmd + RUN + ["--output-dir", str(tmp_path)], "epoch 1/2 step 3/6",
                                             rank=1)
     assert proc.returncode == 0, without_progress(output)
-    # the kill lands after step 3, during step 4: the last whole snapshot is step 2 (or 4, if it was written)
+    # the kill lands after step 3, during step 4: the last whole checkpoint is step 2 (or 4, if it was written)
     assert "resuming from" in output and ("epoch 1, step 2" in output or "epoch 1, step 4" in output), output
     print(f"\nfrom the kill to training again: {back_after:.1f} s")
     assert_same_weights_bit_for_bit(reference, tmp_path)
@@ -111,17 +111,17 @@ def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
     assert "resuming from" in again.stdout and "epoch 2, step 2" in again.stdout, again.stdout
     assert_same_weights_bit_for_bit(reference, out)
 
-    # the same snapshot continued by 1 process: same global batch, from the same step
+    # the same checkpoint continued by 1 process: same global batch, from the same step
     one = check(run(launcher("spawn", "distributed_mp.py", nprocs=1) + RUN + ["--output-dir", str(elastic)]))
     assert "epoch 2, step 2" in one.stdout
-    snapshot = load_snapshot(elastic)
-    assert snapshot["world_size"] == 1 and snapshot["batch_size"] == 16 and snapshot["epoch"] == 2
+    checkpoint = load_checkpoint(elastic)
+    assert checkpoint["world_size"] == 1 and checkpoint["batch_size"] == 16 and checkpoint["epoch"] == 2
     metrics = read_metrics(elastic)
     assert [r["world_size"] for r in metrics] == [2, 1]
     assert metrics[1]["train_loss"] == pytest.approx(read_metrics(reference)[1]["train_loss"], rel=1e-2)
 
 
-def test_restart_keeps_the_old_snapshot(reference, tmp_path):
+def test_restart_keeps_the_old_checkpoint(reference, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(reference, out)
     before = (out / "checkpoint.pt").read_bytes()
@@ -129,14 +129,14 @@ def test_restart_keeps_the_old_snapshot(reference, tmp_path):
                                                             "--output-dir", str(out)]))
     kept = [p for p in out.iterdir() if p.name.startswith("checkpoint.pt.")]
     assert len(kept) == 1 and kept[0].read_bytes() == before
-    assert load_snapshot(out)["epoch"] == 1
+    assert load_checkpoint(out)["epoch"] == 1
 
 
-def test_resume_from_a_named_snapshot(reference, tmp_path):
+def test_resume_from_a_named_checkpoint(reference, tmp_path):
     result = check(run(launcher("python", "distributed.py") + RUN + [
         "--resume", str(reference / "checkpoint.pt"), "--output-dir", str(tmp_path)]))
     assert "nothing left to train" in result.stdout
-    assert not (tmp_path / "checkpoint.pt").exists() or load_snapshot(tmp_path)["epoch"] == 2
+    assert not (tmp_path / "checkpoint.pt").exists() or load_checkpoint(tmp_path)["epoch"] == 2
 
 
 def test_resume_with_other_flags_is_refused(reference, tmp_path):
@@ -145,62 +145,64 @@ def test_resume_with_other_flags_is_refused(reference, tmp_path):
     assert result.returncode == 2 and "--lr 0.01" in result.stderr and "--restart" in result.stderr
 
 
-def tiny_snapshots(tmp_path, model):
+def tiny_checkpoints(tmp_path, model):
     args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False)
     env = SimpleNamespace(is_main=True, world_size=1)
-    return checkpoint.Snapshots(args, env, "distributed.py", model=model)
+    return checkpoint.Checkpoint(args, env, "distributed.py", model=model)
 
 
-def test_a_crash_while_writing_leaves_the_previous_snapshot_loadable(tmp_path, monkeypatch):
+def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
     model = nn.Linear(3, 2)
-    snapshots = tiny_snapshots(tmp_path, model)
-    snapshots.save(1)
+    checkpoints = tiny_checkpoints(tmp_path, model)
+    checkpoints.save(1)
     before = (tmp_path / "checkpoint.pt").read_bytes()
 
     def dies_halfway(obj, f, *args, **kwargs):
-        f.write(b"PK\x03\x04 half a snapshot")
+        f.write(b"PK\x03\x04 half a checkpoint")
         raise KeyboardInterrupt  # the process is stopped mid-write
 
     monkeypatch.setattr(torch, "save", dies_halfway)
     with pytest.raises(KeyboardInterrupt):
-        snapshots.save(2)
+        checkpoints.save(2)
     monkeypatch.undo()
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
     assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["epoch"] == 1
 
 
-def test_truncated_and_foreign_snapshots_are_refused_untouched(reference, tmp_path):
+def test_truncated_and_foreign_checkpoints_are_refused_untouched(reference, tmp_path):
     data = (reference / "checkpoint.pt").read_bytes()
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(data[: len(data) // 2])
-    with pytest.raises(UsageError, match="not a readable snapshot"):
+    with pytest.raises(UsageError, match="not a readable checkpoint"):
         checkpoint.load(str(truncated))
     assert truncated.read_bytes() == data[: len(data) // 2]
 
     other_arch = tmp_path / "other.pt"
-    torch.save({**load_snapshot(reference), "model": nn.Linear(3, 2).state_dict()}, other_arch)
+    torch.save({**load_checkpoint(reference), "model": nn.Linear(3, 2).state_dict()}, other_arch)
     from utils.models import resnet18_cifar
     with pytest.raises(UsageError, match="another architecture"):
         checkpoint.load_weights(resnet18_cifar(), checkpoint.load(str(other_arch)), str(other_arch))
 
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
-    with pytest.raises(UsageError, match="not a resnet18-cifar snapshot"):
+    with pytest.raises(UsageError, match="not a resnet18-cifar checkpoint"):
         checkpoint.load(str(foreign))
 
 
 def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
     """Rank 1 joins, then hangs; rank 0's next collective must fail after --dist-timeout seconds."""
-    from utils import dist
+    from utils import collectives, launch
     args = SimpleNamespace(device="cpu", backend="gloo", dist_timeout=3, node_rank=0, nprocs=2, nnodes=1,
                            ip="127.0.0.1", port=port)
-    env = dist.init_process(args, rank)
+    env = launch.this_process(args, rank)
+    torch.distributed.init_process_group(env.backend, store=env.store, rank=rank, world_size=world_size,
+                                         timeout=env.timeout)
     if rank == 1:
         event.wait(60)  # alive but silent, like a frozen or partitioned machine
         os._exit(0)
     start = time.perf_counter()
     try:
-        dist.all_reduce_sum(torch.ones(1))
+        collectives.all_reduce_sum(torch.ones(1))
         results.put(("completed", 0.0))
     except RuntimeError as error:
         results.put((str(error).splitlines()[0][:200], time.perf_counter() - start))
@@ -210,7 +212,7 @@ def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
 
 
 def test_a_silent_peer_fails_the_collective_within_the_timeout():
-    from utils.dist import free_port
+    from utils.launch import free_port
     ctx = torch.multiprocessing.get_context("spawn")
     event, results = ctx.Event(), ctx.SimpleQueue()
     port = free_port()

@@ -6,9 +6,9 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, load_snapshot, read_metrics, run
+from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run
 
-from utils import flags, speed
+from utils import techniques
 
 
 def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
@@ -16,8 +16,8 @@ def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
     not the arithmetic of any element: the weights after 3 steps equal the default run's to the bit."""
     settings = ["--bucket-cap-mb", "64", "--no-gradient-as-bucket-view", "--static-graph",
                 "--optimizer-impl", "foreach"]
-    expected = load_snapshot(runs("torchrun", "torchrun", "distributed.py"))
-    got = load_snapshot(runs("ddp-settings", "torchrun", "distributed.py", *settings))
+    expected = load_checkpoint(runs("torchrun", "torchrun", "distributed.py"))
+    got = load_checkpoint(runs("ddp-settings", "torchrun", "distributed.py", *settings))
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
 
@@ -59,14 +59,16 @@ def test_default_buckets_are_counted(runs):
 
 
 def test_technique_flags_have_help_and_defaults():
-    args = flags.parse(flags.make_parser("x", "distributed.py"), [])
+    import dataparallel
+    import distributed
+    args = distributed.parse_args([])
     assert (args.comm_hook, args.bucket_cap_mb, args.gradient_as_bucket_view, args.static_graph) == \
         ("none", None, True, False)
     assert (args.channels_last, args.compile, args.optimizer_impl, args.loader) == \
         (False, False, "auto", "dataloader")
-    assert speed.ddp_options(args) == {"bucket_cap_mb": None, "gradient_as_bucket_view": True,
-                                       "static_graph": False}
-    dp = flags.parse(flags.make_parser("x", "dataparallel.py", distributed=False), [])
+    assert techniques.ddp_options(args) == {"bucket_cap_mb": None, "gradient_as_bucket_view": True,
+                                            "static_graph": False}
+    dp = dataparallel.parse_args([])
     assert not hasattr(dp, "comm_hook") and hasattr(dp, "channels_last")
 
 
@@ -80,9 +82,9 @@ def test_fused_optimizer_impl_needs_torch_sgd():
     from types import SimpleNamespace
 
     from utils.errors import UsageError
-    assert speed.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.SGD) == {"fused": True}
+    assert techniques.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.SGD) == {"fused": True}
     with pytest.raises(UsageError):
-        speed.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.Adam)
+        techniques.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.Adam)
 
 
 def test_benchmark_writes_table_chart_and_numbers(tmp_path):

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, launcher, load_snapshot, run, subprocess_env
+from conftest import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 from distributed_helpers import on_ranks
 
 from utils import metrics
-from utils.dist import free_port
+from utils.launch import free_port
 from utils.stopping import StopSignals
 
 # One epoch of 6 steps: a stop lands mid-epoch, and the continued run has steps left to prove it right.
@@ -111,12 +111,12 @@ class Run:
 
 def assert_continues_to_the_reference(cmd: list[str], out: Path, reference: Path, step_said: str, env=None):
     """The checkpoint holds the step the stop line named; the same command finishes the run bit for bit."""
-    snapshot = load_snapshot(out)
-    assert snapshot["epoch"] == 0 and f"step {snapshot['step']}/6" in step_said, step_said
+    checkpoint = load_checkpoint(out)
+    assert checkpoint["epoch"] == 0 and f"step {checkpoint['step']}/6" in step_said, step_said
     again = subprocess.run(cmd, cwd=ROOT, env=env or subprocess_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
-    assert f"epoch 1, step {snapshot['step']}" in again.stdout, again.stdout
-    expected, got = load_snapshot(reference), load_snapshot(out)
+    assert f"epoch 1, step {checkpoint['step']}" in again.stdout, again.stdout
+    expected, got = load_checkpoint(reference), load_checkpoint(out)
     assert (got["epoch"], got["step"]) == (1, 0)
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
@@ -165,7 +165,7 @@ def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, refere
     if how in CONTINUED:
         assert_continues_to_the_reference(cmd, tmp_path, reference, line)
     else:
-        assert f"step {load_snapshot(tmp_path)['step']}/6:" in line
+        assert f"step {load_checkpoint(tmp_path)['step']}/6:" in line
 
 
 def fake_scontrol(folder: Path, requeueable: bool) -> Path:
@@ -233,24 +233,24 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "diverged" in errors[0] and "--lr than 1e+08" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
-    kept = load_snapshot(tmp_path)
+    kept = load_checkpoint(tmp_path)
     assert 1 <= kept["step"] < 6
     assert all(torch.isfinite(t).all() for t in kept["model"].values() if t.is_floating_point())
 
 
 def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
-    from test_resume import tiny_snapshots
+    from test_resume import tiny_checkpoints
 
     from utils.errors import Diverged
     model = torch.nn.Linear(3, 2)
-    snapshots = tiny_snapshots(tmp_path, model)
-    snapshots.args.lr = 0.1
-    snapshots.save(1)
+    checkpoints = tiny_checkpoints(tmp_path, model)
+    checkpoints.args.lr = 0.1
+    checkpoints.save(1)
     before = (tmp_path / "checkpoint.pt").read_bytes()
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     with pytest.raises(Diverged, match="not finite"):
-        snapshots.save(2)
+        checkpoints.save(2)
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
 
 

@@ -1,2 +1,4 @@
-"""What the five training scripts share: flags, data, model, process group, SyncBatchNorm,
-metrics, snapshots and logging. Everything that differs between strategies stays in the scripts."""
+"""What the training scripts share and nobody comes to learn: flags, data, model, launch plumbing,
+SyncBatchNorm for the CPU, metrics, checkpoints, stop signals and error reporting. The calls a
+strategy is made of (the process group, the wrap, the sampler, the strategy's own lines) stay in
+the scripts."""

@@ -1,6 +1,6 @@
-"""Snapshots: all a run needs to continue, written atomically by rank 0, read with weights_only=True.
+"""A checkpoint: all a run needs to continue, written atomically by rank 0, read with weights_only=True.
 
-A snapshot holds the weights (without DDP's "module." prefix), optimizer, scheduler and, where there
+A checkpoint holds the weights (without DDP's "module." prefix), optimizer, scheduler and, where there
 is one, the GradScaler, with the epoch and step reached. It holds no RNG state because none is
 needed: the data order and the augmentation are functions of (--seed, epoch, index) (utils/data.py).
 """
@@ -17,7 +17,7 @@ from utils.errors import Diverged, UsageError
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
-# The flags that define a run: a snapshot continues only a run with the same values.
+# The flags that define a run: a checkpoint continues only a run with the same values.
 RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "momentum", "weight_decay", "dataset", "train_samples",
              "no_augment", "no_sync_bn", "opt_level", "amp_dtype", "grad_accu_steps")
 
@@ -47,16 +47,16 @@ def save_atomic(state: dict, path: str) -> None:
 
 
 def load(path: str) -> dict:
-    """A snapshot as saved; anything unreadable is a UsageError and the file stays as it is."""
+    """A checkpoint as saved; anything unreadable is a UsageError and the file stays as it is."""
     if not os.path.isfile(path):
-        raise UsageError(f"no snapshot at {path}")
+        raise UsageError(f"no checkpoint at {path}")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a readable snapshot ({reason[:160]}); it was left untouched") from None
+        raise UsageError(f"{path} is not a readable checkpoint ({reason[:160]}); it was left untouched") from None
     if not isinstance(state, dict) or state.get("arch") != ARCH or "model" not in state:
-        raise UsageError(f"{path} is not a {ARCH} snapshot of these scripts; it was left untouched")
+        raise UsageError(f"{path} is not a {ARCH} checkpoint of these scripts; it was left untouched")
     return state
 
 
@@ -73,7 +73,7 @@ def run_flags(args) -> dict:
 
 
 def check_same_run(state: dict, args, script: str, path: str) -> None:
-    """A snapshot continues only the run that wrote it: the same script with the same RUN_FLAGS."""
+    """A checkpoint continues only the run that wrote it: the same script with the same RUN_FLAGS."""
     if state.get("script") != os.path.basename(script):
         raise UsageError(f"{path} was written by {state.get('script')}, not {os.path.basename(script)}; "
                          "use another --output-dir (or --evaluate to test its weights)")
@@ -86,7 +86,7 @@ def check_same_run(state: dict, args, script: str, path: str) -> None:
 
 
 def to_resume(args) -> str | None:
-    """The snapshot this run continues: --resume, else <output-dir>/checkpoint.pt unless --restart.
+    """The checkpoint this run continues: --resume, else <output-dir>/checkpoint.pt unless --restart.
     A restart by torchrun (--max-restarts) always resumes: --restart was meant for the first start."""
     if args.resume:
         return args.resume
@@ -98,15 +98,15 @@ def to_resume(args) -> str | None:
 
 
 def check_before_start(args, script: str) -> None:
-    """Fail before any process starts if the snapshot that --evaluate or a resume would read is unusable."""
+    """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable."""
     if args.evaluate:
         load(os.path.join(args.output_dir, FILENAME))
     elif path := to_resume(args):
         check_same_run(load(path), args, script, path)
 
 
-class Snapshots:
-    """The snapshot of one run in <output-dir>/checkpoint.pt: save on rank 0, load on every rank."""
+class Checkpoint:
+    """The checkpoint of one run in <output-dir>/checkpoint.pt: save on rank 0, load on every rank."""
 
     def __init__(self, args, env, script: str, **parts):
         self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
@@ -119,14 +119,14 @@ class Snapshots:
         return bool(every) and step % every == 0 and step < steps
 
     def load_weights(self) -> None:
-        """For --evaluate: only the model's weights, from a snapshot of any of the scripts."""
+        """For --evaluate: only the model's weights, from a checkpoint of any of the scripts."""
         load_weights(self.parts["model"], load(self.path), self.path)
 
     def resume(self) -> tuple[int, int]:
-        """Restore every part from the snapshot to continue, if any; return the (epoch, step) to start at."""
+        """Restore every part from the checkpoint to continue, if any; return the (epoch, step) to start at."""
         path = to_resume(self.args)
         if path is None:
-            self._keep_old_snapshot()
+            self._keep_old_checkpoint()
             return 0, 0
         state = load(path)
         check_same_run(state, self.args, self.script, path)
@@ -137,17 +137,17 @@ class Snapshots:
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if self.env.is_main:
             print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
-                  f"(snapshot of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
+                  f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
 
-    def _keep_old_snapshot(self) -> None:
-        """--restart: the old snapshot is renamed, never silently overwritten."""
+    def _keep_old_checkpoint(self) -> None:
+        """--restart: the old checkpoint is renamed, never silently overwritten."""
         if self.env.is_main and os.path.exists(self.path):
             stamp = time.strftime("%Y%m%d-%H%M%S")
             for path in (self.path, os.path.join(self.args.output_dir, "metrics.jsonl")):
                 if os.path.exists(path):
                     os.replace(path, f"{path}.{stamp}")
-            print(f"--restart: starting afresh; the previous snapshot and metrics are kept as *.{stamp}", flush=True)
+            print(f"--restart: starting afresh; the previous checkpoint and metrics are kept as *.{stamp}", flush=True)
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
         """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are

@@ -8,15 +8,16 @@ integer hash, not from a process's RNG, so a sample is cropped and flipped the s
 or DataLoader worker loads it, on resume, and by either loader (--loader dataloader or device): the
 device loader hashes a whole batch of indices on the GPU and gets the same draws as the CPU.
 """
+import itertools
 import os
 
 import torch
 import torch.nn.functional as F
 import torchvision
 import torchvision.transforms.v2.functional as TF
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from utils import dist, stopping
+from utils import collectives, stopping
 from utils.errors import UsageError
 
 NUM_CLASSES = 100
@@ -88,7 +89,7 @@ def prepare(args, env) -> None:
             ensure_cifar100(args.data_dir)
         except UsageError as e:
             error = e
-    if env is not None and not dist.all_ok(error is None, env.device):
+    if env is not None and not collectives.all_ok(error is None, env.device):
         raise error or UsageError("CIFAR-100 is missing on another machine of this job (see its error)")
     if error:
         raise error
@@ -142,54 +143,64 @@ def synthetic(n: int, train: bool, chunk: int = 1000):
     return torch.cat(images)[:n], torch.cat(targets)[:n]
 
 
-class ResumableSampler(DistributedSampler):
-    """DistributedSampler that can start an epoch after the batches a snapshot already trained."""
+class SkipFirst(Sampler):
+    """The indices of a DistributedSampler after its first `skip`: a mid-epoch resume leaves out the
+    batches its checkpoint already trained (DistributedSampler always starts at the epoch's beginning)."""
 
-    skip = 0  # samples of this rank to leave out at the start of the epoch
+    def __init__(self, sampler: DistributedSampler):
+        self.sampler, self.skip = sampler, 0
 
     def __iter__(self):
-        return iter(list(super().__iter__())[self.skip:])
+        return itertools.islice(iter(self.sampler), self.skip, None)
 
     def __len__(self) -> int:
-        return super().__len__() - self.skip
+        return len(self.sampler) - self.skip
+
+
+def _start_epoch(sampler: SkipFirst, epoch: int, start_step: int, per_rank_batch: int) -> None:
+    if sampler.sampler.epoch != epoch:  # forgetting it would repeat epoch 0's order in every epoch
+        raise RuntimeError(f"call sampler.set_epoch({epoch}) before the loader's epoch({epoch})")
+    sampler.skip = start_step * per_rank_batch
 
 
 class TrainLoader:
-    """This rank's batches of an epoch; global step k is permutation[k*B:(k+1)*B] at any world size."""
+    """This rank's batches of an epoch through DataLoader workers, in the order of `sampler` (a
+    DistributedSampler with drop_last=True): global step k is permutation[k*B:(k+1)*B] at any world size."""
 
-    def __init__(self, dataset: Images, per_rank_batch: int, rank: int, world_size: int, args, pin: bool):
+    def __init__(self, dataset: Images, sampler: DistributedSampler, per_rank_batch: int, workers: int, pin: bool):
         self.dataset, self.per_rank_batch = dataset, per_rank_batch
-        # drop_last: every global batch is whole, so the step count is len // B at every world size
-        self.sampler = ResumableSampler(dataset, world_size, rank, shuffle=True, seed=args.seed, drop_last=True)
+        self.sampler = SkipFirst(sampler)
         self.loader = stopping.WorkersForkedWithSignalsHeld(DataLoader(
-            dataset, per_rank_batch, sampler=self.sampler, num_workers=args.workers, pin_memory=pin,
+            dataset, per_rank_batch, sampler=self.sampler, num_workers=workers, pin_memory=pin,
             drop_last=True, worker_init_fn=stopping.leave_stop_signals_to_the_rank))
-        self.steps = _whole_batches(self.sampler, per_rank_batch, world_size)
+        self.steps = _whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
+        """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
         self.dataset.set_epoch(epoch)
-        self.sampler.set_epoch(epoch)
-        self.sampler.skip = start_step * self.per_rank_batch
+        _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
         if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
             return []
         return self.loader
 
 
-def _whole_batches(sampler: DistributedSampler, per_rank_batch: int, world_size: int) -> int:
+def _whole_batches(sampler: DistributedSampler, per_rank_batch: int) -> int:
     """This rank's steps per epoch; a training set too small for one global batch is a UsageError."""
+    if not sampler.drop_last:  # a padded last batch would repeat samples and differ between world sizes
+        raise ValueError("the training sampler needs drop_last=True")
     steps = len(sampler) // per_rank_batch
     if steps == 0:
         raise UsageError(f"{len(sampler.dataset)} training images make no whole batch of --batch-size "
-                         f"{per_rank_batch * world_size}")
+                         f"{per_rank_batch * sampler.num_replicas}")
     return steps
 
 
-def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size: int, args, pin: bool):
+def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size: int, workers: int, pin: bool):
     """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
     return stopping.WorkersForkedWithSignalsHeld(DataLoader(
-        shard, per_rank_batch, shuffle=False, num_workers=args.workers, pin_memory=pin,
+        shard, per_rank_batch, shuffle=False, num_workers=workers, pin_memory=pin,
         worker_init_fn=stopping.leave_stop_signals_to_the_rank))
 
 
@@ -203,16 +214,15 @@ class DeviceTrainLoader:
     batch is gathered, cropped, flipped and normalised there in a few kernels, with no worker processes.
     Bit for bit the batches of TrainLoader: the same sampler, draws and elementwise float functions."""
 
-    def __init__(self, dataset: Images, per_rank_batch: int, env, args):
+    def __init__(self, dataset: Images, sampler: DistributedSampler, per_rank_batch: int, device: torch.device):
         self.per_rank_batch, self.seed, self.augment = per_rank_batch, dataset.seed, dataset.augment
-        self.images, self.targets = dataset.images.to(env.device), dataset.targets.to(env.device)
-        self.sampler = ResumableSampler(dataset, env.world_size, env.rank, shuffle=True, seed=args.seed,
-                                        drop_last=True)
-        self.steps = _whole_batches(self.sampler, per_rank_batch, env.world_size)
+        self.images, self.targets = dataset.images.to(device), dataset.targets.to(device)
+        self.sampler = SkipFirst(sampler)
+        self.steps = _whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
-        self.sampler.set_epoch(epoch)
-        self.sampler.skip = start_step * self.per_rank_batch
+        """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
+        _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
         order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.images.device)
         b = self.per_rank_batch  # the last partial batch is dropped, as TrainLoader's drop_last does
         return (self.batch(order[k:k + b], epoch) for k in range(0, len(order) - b + 1, b))
@@ -248,16 +258,18 @@ class DeviceTestLoader:
             yield _normalised(self.images[k:k + self.per_rank_batch]), self.targets[k:k + self.per_rank_batch]
 
 
-def train_loader(dataset: Images, per_rank_batch: int, env, args):
-    """This rank's training batches by --loader: DataLoader workers (dataloader) or on env.device (device).
-    The same batches either way, so a run may resume with the other loader."""
+def train_loader(dataset: Images, sampler: DistributedSampler, *, per_rank_batch: int, env, args):
+    """This rank's training batches in the order of `sampler`, by --loader: DataLoader workers (dataloader)
+    or made on env.device (device). The same batches either way, so a run may resume with the other loader.
+    Each epoch: sampler.set_epoch(epoch), then loader.epoch(epoch, start_step)."""
     if getattr(args, "loader", "dataloader") == "device":
-        return DeviceTrainLoader(dataset, per_rank_batch, env, args)
-    return TrainLoader(dataset, per_rank_batch, env.rank, env.world_size, args, pin=env.device.type == "cuda")
+        return DeviceTrainLoader(dataset, sampler, per_rank_batch, env.device)
+    return TrainLoader(dataset, sampler, per_rank_batch, args.workers, pin=env.device.type == "cuda")
 
 
-def test_loader(dataset: Images, per_rank_batch: int, env, args):
-    """This rank's test batches by --loader (see train_loader)."""
+def test_loader(dataset: Images, *, per_rank_batch: int, env, args):
+    """This rank's share of the test set, unpadded (so every image counts once), by --loader."""
     if getattr(args, "loader", "dataloader") == "device":
         return DeviceTestLoader(dataset, per_rank_batch, env)
-    return test_dataloader(dataset, per_rank_batch, env.rank, env.world_size, args, pin=env.device.type == "cuda")
+    return test_dataloader(dataset, per_rank_batch, env.rank, env.world_size, args.workers,
+                           pin=env.device.type == "cuda")

@@ -3,6 +3,8 @@ import contextlib
 import os
 import sys
 
+import torch.distributed
+
 
 class UsageError(Exception):
     """Input the user can fix (a flag, a missing file, a busy port): one line, exit status 2."""
@@ -27,9 +29,14 @@ def report(message: str) -> None:
 
 @contextlib.contextmanager
 def exit_on_error():
-    """Turn a UsageError or Diverged raised inside the block into its line on stderr and exit status."""
+    """Turn a UsageError or Diverged raised inside the block into its line on stderr and exit status;
+    a process group that times out waiting for its ranks is a UsageError too."""
     try:
         yield
     except (UsageError, Diverged) as error:
         report(str(error))
         sys.exit(error.exit_status)
+    except torch.distributed.DistStoreError as error:  # in init_process_group: a rank that never came
+        report(f"not all processes joined within --dist-timeout ({str(error).splitlines()[0][:120]}); "
+               "is every machine started, with the same --nnodes and --nprocs?")
+        sys.exit(UsageError.exit_status)

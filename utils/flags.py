@@ -1,21 +1,34 @@
-"""The command-line flags every script shares, and the checks that need no process group."""
+"""The command-line flags every script shares, in --help groups, and the checks that need no process group."""
 import argparse
 import math
 import os
 import re
+import socket
 import sys
 import tempfile
 
-from utils import speed
-from utils.dist import check_address
+from utils import techniques
 from utils.errors import UsageError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (exit status 2) instead of usage + error."""
+    """argparse, but a bad flag is one line on stderr (exit status 2) instead of usage + error, with
+    argument groups made on first use and checks of several flags together run after parsing."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checks = []  # functions of the parsed args: a message says what is wrong, None that all is well
 
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+    def group(self, title: str) -> argparse._ArgumentGroup:
+        """The argument group of this title, made on first use: --help lists groups in that order."""
+        for group in self._action_groups:
+            if group.title == title:
+                return group
+        return self.add_argument_group(title)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -33,71 +46,99 @@ def _dashes(argv):
             for a in argv]
 
 
-def make_parser(doc: str, script: str, distributed: bool = True) -> Parser:
-    """The shared flags of design.md; `distributed` adds those that only DDP scripts have."""
-    name = os.path.splitext(os.path.basename(script))[0]
-    parser = Parser(
+def make_parser(doc: str, script: str) -> Parser:
+    """An empty parser for `script`: the script adds its own flags first, then add_shared_flags."""
+    return Parser(
         prog=os.path.basename(script),
         description=doc.strip().splitlines()[0],
         epilog="Underscore spellings of the flags (--batch_size, --local_rank, ...) are accepted too.",
         formatter_class=HelpFormatter,
     )
-    add = parser.add_argument
-    add("--data-dir", default="./data", help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
-    add("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
-        help="cifar100, or a learnable CIFAR-shaped synthetic set that needs no download")
-    add("--train-samples", type=positive_int, default=None, metavar="N", help="use the first N training images")
-    add("--test-samples", type=positive_int, default=None, metavar="N", help="use the first N test images")
-    add("--epochs", type=positive_int, default=30, help="number of training epochs")
-    add("--batch-size", type=positive_int, default=256,
-        help="global batch size, summed over all processes/devices (per rank = global / world size)")
-    add("--lr", type=non_negative_float, default=0.1,
-        help="peak learning rate of SGD (cosine schedule over the epochs)")
-    add("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
-    add("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
-    add("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
-    add("--workers", type=non_negative_int, default=4, help="DataLoader worker processes per rank")
-    add("--loader", choices=["dataloader", "device"], default="dataloader",
-        help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
-             "device: the whole set held on the training device, augmented there in batches, no worker "
-             "processes (fastest on GPU). Both give the same batches")
-    add("--device", choices=["auto", "cuda", "cpu"], default="auto", help="auto: cuda when a GPU is visible")
-    add("--output-dir", default=os.path.join("runs", name),
-        help="where metrics.jsonl, checkpoint.pt and eval.json are written")
-    add("--print-freq", type=positive_int, default=50, help="log progress every N steps (the only host syncs)")
-    add("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
-    add("--evaluate", action="store_true",
-        help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
-    add("--save-every-steps", type=non_negative_int, default=0, metavar="N",
-        help="also snapshot every N steps within an epoch (0: only at the end of each epoch)")
-    add("--resume", default=None, metavar="PATH",
-        help="continue from this snapshot (default: <output-dir>/checkpoint.pt, when there is one)")
-    add("--restart", action="store_true",
-        help="start afresh although <output-dir> holds a snapshot; the old one is kept, renamed")
+
+
+def add_shared_flags(parser: Parser, distributed: bool = True) -> None:
+    """The flags every script has, in groups (after the script's own); `distributed` adds DDP's."""
+    name = os.path.splitext(parser.prog)[0]
+    data = parser.group("data")
+    data.add_argument("--data-dir", default="./data",
+                      help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
+    data.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                      help="cifar100, or a learnable CIFAR-shaped synthetic set that needs no download")
+    data.add_argument("--train-samples", type=positive_int, default=None, metavar="N",
+                      help="use the first N training images")
+    data.add_argument("--test-samples", type=positive_int, default=None, metavar="N",
+                      help="use the first N test images")
+    data.add_argument("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
+    data.add_argument("--workers", type=non_negative_int, default=4, help="DataLoader worker processes per rank")
+    data.add_argument("--loader", choices=["dataloader", "device"], default="dataloader",
+                      help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
+                           "device: the whole set held on the training device, augmented there in batches, no "
+                           "worker processes (fastest on GPU). Both give the same batches")
+    train = parser.group("training")
+    train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
+    train.add_argument("--batch-size", type=positive_int, default=256,
+                       help="global batch size, summed over all processes/devices (per rank = global / world size)")
+    train.add_argument("--lr", type=non_negative_float, default=0.1,
+                       help="peak learning rate of SGD (cosine schedule over the epochs)")
+    train.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
+    train.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
+    train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
     if distributed:
-        add("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-            help="process-group backend; auto: nccl on GPU, gloo on CPU")
-        add("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
-            help="how long a collective waits for a missing rank before the run fails")
-        add("--no-sync-bn", action="store_true",
-            help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
-    speed.add_flags(parser, distributed)
-    return parser
+        train.add_argument("--no-sync-bn", action="store_true",
+                           help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
+    train.add_argument("--print-freq", type=positive_int, default=50,
+                       help="log progress every N steps (the only host syncs)")
+    procs = parser.group("processes and devices")
+    procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                       help="auto: cuda when a GPU is visible")
+    if distributed:
+        procs.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                           help="process-group backend; auto: nccl on GPU, gloo on CPU")
+        procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
+                           help="how long a collective waits for a missing rank before the run fails")
+    techniques.add_flags(parser.group("speed techniques"), distributed)
+    ckpt = parser.group("checkpoints and output")
+    ckpt.add_argument("--output-dir", default=os.path.join("runs", name),
+                      help="where metrics.jsonl, checkpoint.pt and eval.json are written")
+    ckpt.add_argument("--save-every-steps", type=non_negative_int, default=0, metavar="N",
+                      help="also write the checkpoint every N steps within an epoch (0: only at the end of each epoch)")
+    ckpt.add_argument("--resume", default=None, metavar="PATH",
+                      help="continue from this checkpoint (default: <output-dir>/checkpoint.pt, when there is one)")
+    ckpt.add_argument("--restart", action="store_true",
+                      help="start afresh although <output-dir> holds a checkpoint; the old one is kept, renamed")
+    ckpt.add_argument("--evaluate", action="store_true",
+                      help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
 
 
-def add_spawn_flags(parser: Parser, default_nprocs_help: str) -> None:
+def add_torchrun_flags(parser: Parser) -> None:
+    """Flags of the scripts started by a launcher (torchrun, torch.distributed.launch, srun)."""
+    group = parser.group("processes and devices")
+    # The launcher tells each process who it is: torchrun sets LOCAL_RANK; torch.distributed.launch
+    # also passes --local-rank=N (--local_rank before torch 2.0). The environment wins when both exist.
+    group.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch")
+    group.add_argument("--ip", default=None, help="rendezvous address (MASTER_ADDR) if the launcher sets none")
+    group.add_argument("--port", type=port_number, default=None,
+                       help="rendezvous port (MASTER_PORT) if the launcher sets none")
+
+
+def add_spawn_flags(parser: Parser) -> None:
     """Flags of the scripts that start their own processes with torch.multiprocessing.spawn."""
-    add = parser.add_argument
-    add("--nprocs", type=positive_int, default=None, help=default_nprocs_help)
-    add("--nnodes", type=positive_int, default=1, help="number of machines taking part")
-    add("--node-rank", type=non_negative_int, default=0, help="this machine's index, 0..nnodes-1")
-    add("--ip", default="127.0.0.1", help="address of the machine with node rank 0 (the rendezvous)")
-    add("--port", type=port_number, default=None, help="rendezvous port; default: a free port on one machine")
-    add("--local-rank", type=int, default=None, help="set by torch.distributed.launch; LOCAL_RANK wins")
+    group = parser.group("processes and devices")
+    group.add_argument("--nprocs", type=positive_int, default=None,
+                       help="processes on this machine; default: one per visible GPU, or 2 on the CPU")
+    group.add_argument("--nnodes", type=positive_int, default=1, help="number of machines taking part")
+    group.add_argument("--node-rank", type=non_negative_int, default=0, help="this machine's index, 0..nnodes-1")
+    group.add_argument("--ip", default="127.0.0.1", help="address of the machine with node rank 0 (the rendezvous)")
+    group.add_argument("--port", type=port_number, default=None,
+                       help="rendezvous port; default: a free port on one machine")
+    group.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch; LOCAL_RANK wins")
 
 
 def parse(parser: Parser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(_dashes(sys.argv[1:] if argv is None else list(argv)))
+    for check in parser.checks:
+        if problem := check(args):
+            parser.error(problem)
     if getattr(args, "nnodes", 1) > 1 and args.port is None:
         parser.error("--port is required with --nnodes > 1 (every machine must name the same port)")
     if getattr(args, "node_rank", 0) >= getattr(args, "nnodes", 1):
@@ -124,10 +165,14 @@ def check_before_start(args) -> None:
     check_address(getattr(args, "ip", None))
 
 
-def per_rank_batch(global_batch: int, world_size: int, what: str = "the world size") -> int:
-    """The global batch split evenly over the ranks; an uneven split is a UsageError."""
+def per_rank_batch(global_batch: int, world_size: int, accu_steps: int = 1) -> int:
+    """The global batch split evenly over the ranks (and each rank's share into `accu_steps` equal
+    micro-batches); an uneven split is a UsageError."""
     if global_batch % world_size:
-        raise UsageError(f"--batch-size {global_batch} is not divisible by {what} ({world_size})")
+        raise UsageError(f"--batch-size {global_batch} is not divisible by the world size ({world_size})")
+    if global_batch // world_size % accu_steps:
+        raise UsageError(f"the per-rank batch ({global_batch // world_size}) is not divisible by "
+                         f"--grad-accu-steps {accu_steps}")
     return global_batch // world_size
 
 
@@ -158,3 +203,13 @@ def port_number(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number 1..65535, got {text}")
     return value
+
+
+def check_address(ip: str | None) -> None:
+    """An --ip that does not resolve would fail deep in c10d, after the processes started."""
+    if ip:
+        try:
+            socket.getaddrinfo(ip, None)
+        except (socket.gaierror, UnicodeError) as error:
+            reason = getattr(error, "strerror", None) or error
+            raise UsageError(f"--ip {ip} does not resolve to an address ({reason})") from None

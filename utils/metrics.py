@@ -6,7 +6,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from utils import dist
+from utils import collectives
 
 
 @torch.no_grad()
@@ -37,7 +37,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
         totals += torch.stack([F.cross_entropy(logits, targets, reduction="sum").double(),
                                hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
                                torch.tensor(len(targets), dtype=torch.float64, device=device)])
-    loss_sum, top1, top5, count = dist.all_reduce_sum(totals).tolist()
+    loss_sum, top1, top5, count = collectives.all_reduce_sum(totals).tolist()
     count = max(count, 1)
     return {"test_loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
             "samples": int(count)}
@@ -45,7 +45,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
 
 def _most_batches_of_any_rank(loader, device: torch.device) -> int:
     """Shards differ by one sample, so their batch counts by up to one; stop.agreed() needs the same count."""
-    return int(dist.all_reduce_max(torch.tensor([len(loader)], device=device)).item())
+    return int(collectives.all_reduce_max(torch.tensor([len(loader)], device=device)).item())
 
 
 class MetricsLog:
@@ -53,7 +53,7 @@ class MetricsLog:
 
     def __init__(self, output_dir: str, is_main: bool, done_epochs: int):
         self.path, self.is_main = os.path.join(output_dir, "metrics.jsonl"), is_main
-        if is_main:  # keep the epochs the snapshot has; drop any written after it (a crash in between)
+        if is_main:  # keep the epochs the checkpoint has; drop any written after it (a crash in between)
             os.makedirs(output_dir, exist_ok=True)
             kept = []
             if done_epochs and os.path.exists(self.path):

@@ -3,7 +3,7 @@ import torch
 import torchvision
 from torch import nn
 
-from utils import speed
+from utils import techniques
 from utils.data import NUM_CLASSES
 
 ARCH = "resnet18-cifar"
@@ -25,7 +25,7 @@ def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, **e
     (stepped once per epoch with scheduler.step(), the non-deprecated form); --optimizer-impl picks
     torch's for-loop, foreach or fused implementation of the same update."""
     optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, **speed.optimizer_options(args, optimizer_class),
+                                weight_decay=args.weight_decay, **techniques.optimizer_options(args, optimizer_class),
                                 **extra)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
     return optimizer, scheduler

@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from utils import dist, speed
+from utils import collectives, techniques
 from utils.errors import Diverged
 
 
@@ -18,7 +18,7 @@ class EpochProgress:
     """Iterate over one epoch's batches, from `start_step` on; on a mid-epoch resume carry on the
     epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
-    def __init__(self, batches, steps: int, env, args, epoch: int, start_step: int = 0,
+    def __init__(self, batches, *, steps: int, epoch: int, env, args, start_step: int = 0,
                  epoch_loss: tuple[float, float] = (0.0, 0.0)):
         self.batches, self.env, self.print_freq, self.lr = batches, env, args.print_freq, args.lr
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
@@ -35,7 +35,7 @@ class EpochProgress:
     def __iter__(self):
         if self.env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.env.device)
-        self.allreduces_at_start = speed.grad_allreduces()
+        self.allreduces_at_start = techniques.grad_allreduces()
         self.start = time.perf_counter()
         yield from self.batches
         # the clock stops when the last step's work is done: the scripts evaluate before they log
@@ -54,7 +54,7 @@ class EpochProgress:
             self.bar.update(1)
         if self.step % self.print_freq:
             return
-        step_loss, epoch_sum = (dist.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
+        step_loss, epoch_sum = (collectives.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
                                 / self.env.world_size).tolist()
         self.check_finite(epoch_sum)
         if self.env.is_main:
@@ -75,7 +75,7 @@ class EpochProgress:
     def loss_so_far(self) -> tuple[float, float]:
         """(sum, count) of the epoch's losses over all ranks: an all-reduce every rank joins; a
         non-finite sum raises Diverged on every rank."""
-        totals = dist.all_reduce_sum(torch.stack([self.loss_sum.double(), torch.tensor(
+        totals = collectives.all_reduce_sum(torch.stack([self.loss_sum.double(), torch.tensor(
             float(self.loss_count), dtype=torch.float64, device=self.env.device)]))
         loss_sum, count = totals.tolist()
         self.check_finite(loss_sum)
@@ -90,7 +90,7 @@ class EpochProgress:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
                 "images_per_s": self.recorded * self.global_batch / seconds,
-                "grad_allreduces_per_step": (speed.grad_allreduces() - self.allreduces_at_start)
+                "grad_allreduces_per_step": (techniques.grad_allreduces() - self.allreduces_at_start)
                 / max(self.recorded, 1),
                 "peak_memory_mb": peak_memory_mb(self.env.device)}
 

@@ -88,7 +88,7 @@ class StopSignals:
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
 
-    def finish_stopped_run(self, epoch: int, step: int, steps: int, path: str, is_main: bool) -> int:
+    def finish_stopped_run(self, *, epoch: int, step: int, steps: int, path: str, is_main: bool) -> int:
         """After the checkpoint of the agreed step: wait until every rank is here (so none exits while rank 0
         still writes), rank 0 says what stopped the run and where it continues, and on SIGUSR1 under SLURM
         requeues the job. Returns the exit status, 128 + the signal's number as the shell has it."""

@@ -1,6 +1,6 @@
 """SyncBatchNorm: batch statistics over the global batch instead of each rank's share of it.
 
-On GPUs this is torch.nn.SyncBatchNorm. It refuses CPU modules under DDP ("SyncBatchNorm layers
+On GPUs the scripts use torch.nn.SyncBatchNorm. It refuses CPU modules under DDP ("SyncBatchNorm layers
 only work with GPU modules"), so for gloo runs CpuSyncBatchNorm below does the same arithmetic with
 two all-reduces per layer: the per-channel statistics in forward, the gradient sums in backward.
 It subclasses BatchNorm2d, so its state_dict keys are BatchNorm's and checkpoints move freely
@@ -9,17 +9,6 @@ between CPU runs, GPU runs and plain BatchNorm.
 import torch
 import torch.distributed as dist
 from torch import nn
-
-
-def convert(model: nn.Module, device: torch.device) -> nn.Module:
-    """Every BatchNorm layer of `model` made synchronous, with torch's layer on GPU and ours on CPU.
-    Call it on every rank: on the CPU it makes a process group of its own for the statistics."""
-    if device.type == "cuda":
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    # A group of its own: a DDP comm hook (PowerSGD) issues all-reduces from callback threads, and
-    # on a shared group their order against these would differ between ranks (a collective mismatch).
-    group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
-    return CpuSyncBatchNorm.convert(model, group)
 
 
 class CpuSyncBatchNorm(nn.BatchNorm2d):
@@ -44,6 +33,15 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)
                 self.running_var.lerp_(unbiased.to(self.running_var.dtype), factor)
         return y
+
+    @classmethod
+    def convert_sync_batchnorm(cls, module: nn.Module) -> nn.Module:
+        """torch.nn.SyncBatchNorm.convert_sync_batchnorm for CPU modules. Call it on every rank after
+        init_process_group: the statistics go over a process group of its own, because a DDP comm hook
+        (PowerSGD) issues all-reduces from callback threads, and on a shared group their order against
+        these would differ between ranks (a collective mismatch)."""
+        group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
+        return cls.convert(module, group)
 
     @classmethod
     def convert(cls, module: nn.Module, process_group=None) -> nn.Module:

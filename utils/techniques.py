@@ -18,9 +18,9 @@ OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 _grad_allreduces = 0  # gradient buckets this process has sent to an all-reduce
 
 
-def add_flags(parser, distributed: bool) -> None:
-    """The technique flags; `distributed` adds those of DDP (DataParallel has none of them)."""
-    add = parser.add_argument
+def add_flags(group, distributed: bool) -> None:
+    """The technique flags, into an argparse group; `distributed` adds those of DDP (DataParallel has none of them)."""
+    add = group.add_argument
     on_off = argparse.BooleanOptionalAction
     add("--channels-last", action=on_off, default=False,
         help="keep weights and activations in NHWC order (faster convolutions on tensor cores)")

@@ -1,4 +1,10 @@
-"""The process group: device and backend choice, rank layout, start-up checks and tear-down."""
+"""Launch plumbing: who this process is in the job, and where its ranks meet, for every way to start it.
+
+torchrun (or torch.distributed.launch) describes each process in environment variables, srun in SLURM's,
+torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index; `this_process`
+reads whichever applies and returns plain values that the scripts pass to dist.init_process_group.
+The rest checks a launch before any process starts, so that a wrong value is one line, not a hang.
+"""
 import contextlib
 import datetime
 import logging
@@ -12,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from utils import checkpoint, data, flags
 from utils.errors import UsageError
 
 
@@ -21,6 +28,9 @@ class Env:
     local_rank: int  # this process among those of its machine; picks its GPU
     world_size: int  # number of processes of the job
     device: torch.device
+    backend: str = "gloo"  # nccl on GPUs, gloo on the CPU
+    store: dist.Store | None = None  # where the ranks meet to form the process group
+    timeout: datetime.timedelta = datetime.timedelta(seconds=300)  # --dist-timeout
 
     @property
     def is_main(self) -> bool:
@@ -54,9 +64,10 @@ def check_launch(args, local_processes: int, gpu_count: int | None = None) -> No
                          f"{backend} needs one GPU per process (lower --nprocs or use --device cpu)")
 
 
-def init_process(args, local_rank: int | None = None) -> Env:
-    """Join the process group. local_rank=None: started by torchrun/launch/srun, the environment says
-    who we are (a plain `python script.py` is a world of one). Otherwise: started by mp.spawn."""
+def this_process(args, local_rank: int | None = None) -> Env:
+    """This process's place in the job, its device (made the current CUDA device) and the store where the
+    ranks meet. local_rank=None: started by torchrun/launch/srun, the environment says who we are (a plain
+    `python script.py` is a world of one). Otherwise: started by mp.spawn as process `local_rank`."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
@@ -64,7 +75,7 @@ def init_process(args, local_rank: int | None = None) -> Env:
         # srun started this process, no launcher: SLURM says who we are, node 0's first host hosts the store
         rank, world_size, local_rank = (int(os.environ[k]) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
         addr, port = slurm_address(args)
-        init = {"store": rendezvous(addr, port, rank, world_size, timeout, f"{world_size} SLURM tasks")}
+        store = rendezvous(addr, port, rank, world_size, timeout, f"{world_size} SLURM tasks")
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
     elif local_rank is None:
         rank = int(os.environ.get("RANK", 0))
@@ -72,32 +83,29 @@ def init_process(args, local_rank: int | None = None) -> Env:
         local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
         # the launcher's address; --ip/--port for launchers that set none
         addr = os.environ.get("MASTER_ADDR") or getattr(args, "ip", None)
-        port = os.environ.get("MASTER_PORT") or getattr(args, "port", None) or 29500
+        port = int(os.environ.get("MASTER_PORT") or getattr(args, "port", None) or 29500)
         if world_size > 1 and not addr:
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            init = {"store": _agent_store(timeout)}
+            store = _agent_store(timeout)
+        elif addr:
+            store = rendezvous(addr, port, rank, world_size, timeout, f"WORLD_SIZE={world_size}")
         else:
-            init = {"init_method": f"tcp://{addr}:{port}"} if addr else {"store": dist.HashStore()}
+            store = dist.HashStore()
     else:
         rank = args.node_rank * args.nprocs + local_rank
         world_size = args.nnodes * args.nprocs
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
         shape = f"--nnodes {args.nnodes} --nprocs {args.nprocs}"
-        init = {"store": rendezvous(args.ip, args.port, rank, world_size, timeout, shape)}
+        store = rendezvous(args.ip, args.port, rank, world_size, timeout, shape)
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                          f"{backend} needs one GPU per process; start fewer processes or use --device cpu")
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
-        torch.cuda.set_device(device)
-    try:
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout, **init)
-    except dist.DistStoreError as error:  # a rank that never came: a machine not started, or another shape
-        raise UsageError(f"not all {world_size} processes joined within {timeout.seconds} s "
-                         f"({str(error).splitlines()[0][:120]}); is every machine started, with the same "
-                         "--nnodes and --nprocs?") from None
-    return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device)
+        torch.cuda.set_device(device)  # NCCL, and every .cuda() without an index, use this process's GPU
+    return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
+               store=store, timeout=timeout)
 
 
 def rendezvous(addr: str, port: int, rank: int, world_size: int, timeout, shape: str) -> dist.Store:
@@ -146,11 +154,6 @@ def _agent_store(timeout) -> dist.Store:
     return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 def launched_by_torchrun() -> bool:
     """torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -159,16 +162,6 @@ def launched_by_torchrun() -> bool:
 def has_torchrun_agent() -> bool:
     """torchrun's agent started this process and waits for it (so its death means the run is orphaned)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def check_address(ip: str | None) -> None:
-    """An --ip that does not resolve would fail deep in c10d, after the processes started."""
-    if ip:
-        try:
-            socket.getaddrinfo(ip, None)
-        except (socket.gaierror, UnicodeError) as error:
-            reason = getattr(error, "strerror", None) or error
-            raise UsageError(f"--ip {ip} does not resolve to an address ({reason})") from None
 
 
 def free_port(ip: str = "127.0.0.1") -> int:
@@ -195,6 +188,18 @@ def prepare_rendezvous(args) -> None:
             check_port_free(args.ip, args.port)
 
 
+def check_before_spawn(args, script: str) -> None:
+    """Everything that can be wrong with a spawn launch, checked before any process starts: the job's
+    shape against the GPUs, the batch split, the output directory and --ip, the data, the checkpoint a
+    resume or --evaluate would read; on node 0, the rendezvous port (a free one if --port is not given)."""
+    check_launch(args, local_processes=args.nprocs)
+    flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
+    flags.check_before_start(args)
+    data.prepare(args, env=None)
+    checkpoint.check_before_start(args, script)
+    prepare_rendezvous(args)
+
+
 def default_nprocs(device_flag: str) -> int:
     """One process per visible GPU; on the CPU two processes, enough to show DDP at work."""
     return torch.cuda.device_count() if resolve_device(device_flag) == "cuda" else 2
@@ -214,23 +219,3 @@ def spawn_errors():
     except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
         print(error, file=sys.stderr)
         sys.exit(1)
-
-
-def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks in place (a no-op in a world of one), and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor)
-    return tensor
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """The maximum over all ranks in place (a no-op in a world of one), and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return tensor
-
-
-def all_ok(ok: bool, device: torch.device) -> bool:
-    """True on every rank iff it is true on every rank: one collective, so no rank is left waiting."""
-    flag = torch.tensor([0.0 if ok else 1.0], device=device)
-    return all_reduce_sum(flag).item() == 0

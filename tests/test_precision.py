@@ -1,0 +1,48 @@
+"""--opt-level/--amp-dtype: the autocast dtype asked for on each device, and bfloat16 only where a CPU has it."""
+import argparse
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from utils import precision
+
+CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs no GPU
+
+
+def flags(opt_level="O1", amp_dtype="auto"):
+    return SimpleNamespace(opt_level=opt_level, amp_dtype=amp_dtype)
+
+
+def test_auto_on_a_cpu_without_native_bfloat16_trains_float32_and_says_why(monkeypatch, capsys):
+    monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: False)
+    assert precision.autocast_dtype(flags(), CPU, is_main=True) is None
+    said = capsys.readouterr().err.strip().splitlines()
+    assert len(said) == 1 and "no native bfloat16" in said[0] and "float32" in said[0], said
+    assert precision.autocast_dtype(flags(), CPU, is_main=False) is None
+    assert capsys.readouterr().err == ""  # one line for the job, from rank 0
+    assert precision.autocast_dtype(flags(amp_dtype="bfloat16"), CPU, is_main=True) is torch.bfloat16
+
+
+def test_auto_picks_bfloat16_on_a_cpu_that_has_it_and_float16_on_a_gpu(monkeypatch, capsys):
+    monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: True)
+    assert precision.autocast_dtype(flags(), CPU, is_main=True) is torch.bfloat16
+    assert precision.autocast_dtype(flags(), CUDA, is_main=True) is torch.float16
+    assert precision.autocast_dtype(flags(opt_level="O0"), CUDA, is_main=True) is None
+    assert precision.autocast_dtype(flags(amp_dtype="float16"), CPU, is_main=True) is torch.float16
+    assert capsys.readouterr().err == ""
+
+
+def test_the_detection_asks_torch_for_the_instructions(monkeypatch):
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False, raising=False)
+    assert not precision.cpu_has_native_bfloat16()
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True, raising=False)
+    assert precision.cpu_has_native_bfloat16()
+
+
+@pytest.mark.parametrize(("text", "says"), [("O2", "use O1"), ("O3", "use O1"), ("O4", "expected O0")])
+def test_opt_levels_torch_amp_has_not_are_refused_with_the_reason(text, says):
+    with pytest.raises(argparse.ArgumentTypeError, match=says):
+        precision.opt_level(text)
+    assert precision.opt_level("O0") == "O0"

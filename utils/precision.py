@@ -1,0 +1,88 @@
+"""The mixed-precision flags in apex's names (--opt-level, --optimizer apex-fused-sgd) and the autocast
+dtype they ask for on this device; the autocast and GradScaler lines themselves stay in the scripts.
+
+apex.amp's O1 is what torch.amp does: autocast around the forward pass, GradScaler for float16. O2 and
+O3 (float16 master weights, pure float16) have no torch.amp equivalent and are refused with that reason.
+"""
+import argparse
+import importlib.util
+import sys
+
+import torch
+
+from utils import launch
+
+OPT_LEVELS = {"O0": "float32", "O1": "mixed precision (autocast)"}
+
+
+def opt_level(text: str) -> str:
+    """An argparse type: O0 or O1; O2/O3 say where they went."""
+    if text in ("O2", "O3"):
+        raise argparse.ArgumentTypeError(f"{text} (float16 master weights / pure float16) left apex with apex.amp; "
+                                         "torch.amp has autocast only: use O1")
+    if text not in OPT_LEVELS:
+        raise argparse.ArgumentTypeError(f"expected O0 (float32) or O1 (mixed precision), got {text}")
+    return text
+
+
+def add_flags(parser, apex_optimizer: bool = False) -> None:
+    """--opt-level and --amp-dtype (and --optimizer with apex's FusedSGD) in a group of their own,
+    checked when the flags are parsed."""
+    group = parser.group("mixed precision")
+    group.add_argument("--opt-level", type=opt_level, default="O1",
+                       help="apex's names: O0 = float32, O1 = mixed precision (autocast); O2/O3 are gone")
+    group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
+                       help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
+                            "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower)")
+    if apex_optimizer:
+        group.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",
+                           help="apex-fused-sgd: apex.optimizers.FusedSGD, if NVIDIA apex is installed")
+        parser.checks.append(_check_apex_optimizer)
+
+
+def _check_apex_optimizer(args) -> str | None:
+    """Why --optimizer apex-fused-sgd cannot run here, or None."""
+    if args.optimizer != "apex-fused-sgd":
+        return None
+    if importlib.util.find_spec("apex") is None or importlib.util.find_spec("apex.optimizers") is None:
+        return ("--optimizer apex-fused-sgd needs NVIDIA apex, built from github.com/NVIDIA/apex "
+                "(the PyPI package named 'apex' is an unrelated project); or use --optimizer sgd")
+    if launch.resolve_device(args.device) != "cuda":
+        return "--optimizer apex-fused-sgd runs CUDA kernels only; use --optimizer sgd on the CPU"
+    if args.optimizer_impl != "auto":
+        return f"--optimizer-impl {args.optimizer_impl} applies to torch.optim.SGD; drop it with apex-fused-sgd"
+    return None
+
+
+def optimizer_class(args):
+    """torch.optim.SGD, or apex's FusedSGD for --optimizer apex-fused-sgd (checked at parse time)."""
+    if getattr(args, "optimizer", "sgd") == "sgd":
+        return torch.optim.SGD
+    from apex.optimizers import FusedSGD
+    return FusedSGD
+
+
+def cpu_has_native_bfloat16() -> bool:
+    """AVX512-BF16 or AMX instructions: without them a CPU emulates bfloat16, far slower than float32
+    (about 18x on an AMD EPYC of our test machines)."""
+    avx512_bf16 = getattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    return bool(avx512_bf16() or amx())
+
+
+def autocast_dtype(args, device: torch.device, is_main: bool) -> torch.dtype | None:
+    """The dtype autocast runs matrix products and convolutions in, None for float32 (--opt-level O0,
+    or auto on a CPU without native bfloat16, which rank 0 says in one line)."""
+    if args.opt_level == "O0":
+        return None
+    if args.amp_dtype != "auto":
+        return getattr(torch, args.amp_dtype)
+    if device.type == "cuda":
+        return torch.float16
+    if cpu_has_native_bfloat16():
+        return torch.bfloat16
+    if is_main:
+        print("--amp-dtype auto: this CPU has no native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 "
+              "would be slower than float32; training in float32 (--amp-dtype bfloat16 forces it)",
+              file=sys.stderr, flush=True)
+    return None
