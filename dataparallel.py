@@ -71,13 +71,14 @@ def train(args, env, stop, gpus) -> int:
         metrics.write_eval(args.output_dir, results, env.is_main)
         return 0
     start_epoch, start_step = checkpoint.resume()
-    log = metrics.MetricsLog(args.output_dir, env.is_main, start_epoch)
+    log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,
+                             steps_per_epoch=train_loader.steps)  # metrics.jsonl, and TensorBoard's events
     if start_epoch == args.epochs and env.is_main:
         print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
-                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args)
+                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
         train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint)
         # split over the GPUs too; None if a stop signal comes during it
         results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop)

@@ -144,7 +144,8 @@ class Checkpoint:
         """--restart: the old checkpoint is renamed, never silently overwritten."""
         if self.env.is_main and os.path.exists(self.path):
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            for path in (self.path, os.path.join(self.args.output_dir, "metrics.jsonl")):
+            others = (os.path.join(self.args.output_dir, name) for name in ("metrics.jsonl", "tensorboard"))
+            for path in (self.path, *others):
                 if os.path.exists(path):
                     os.replace(path, f"{path}.{stamp}")
             print(f"--restart: starting afresh; the previous checkpoint and metrics are kept as *.{stamp}", flush=True)

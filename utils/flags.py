@@ -1,5 +1,6 @@
 """The command-line flags every script shares, in --help groups, and the checks that need no process group."""
 import argparse
+import importlib.util
 import math
 import os
 import re
@@ -108,6 +109,16 @@ def add_shared_flags(parser: Parser, distributed: bool = True) -> None:
                       help="start afresh although <output-dir> holds a checkpoint; the old one is kept, renamed")
     ckpt.add_argument("--evaluate", action="store_true",
                       help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
+    ckpt.add_argument("--tensorboard", action="store_true",
+                      help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
+                           "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
+    parser.checks.append(_tensorboard_missing)
+
+
+def _tensorboard_missing(args) -> str | None:
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return "--tensorboard needs the tensorboard package: pip install tensorboard"
+    return None
 
 
 def add_torchrun_flags(parser: Parser) -> None:

@@ -49,10 +49,20 @@ def _most_batches_of_any_rank(loader, device: torch.device) -> int:
 
 
 class MetricsLog:
-    """<output-dir>/metrics.jsonl, one JSON object per epoch, written by rank 0."""
+    """<output-dir>/metrics.jsonl, one JSON object per epoch, written by rank 0; with --tensorboard also
+    TensorBoard events in <output-dir>/tensorboard: every per-epoch metric, and the training loss every
+    --print-freq steps, against the optimizer step (epoch * steps_per_epoch + step)."""
 
-    def __init__(self, output_dir: str, is_main: bool, done_epochs: int):
+    def __init__(self, args, *, is_main: bool, done_epochs: int, done_steps: int = 0, steps_per_epoch: int = 1):
+        output_dir = args.output_dir
         self.path, self.is_main = os.path.join(output_dir, "metrics.jsonl"), is_main
+        self.steps_per_epoch = steps_per_epoch
+        self.events = None
+        if is_main and getattr(args, "tensorboard", False):
+            from torch.utils.tensorboard import SummaryWriter  # optional: checked when the flags are parsed
+            # purge_step hides the events a stopped or crashed run wrote after the step it continues from
+            self.events = SummaryWriter(os.path.join(output_dir, "tensorboard"),
+                                        purge_step=done_epochs * steps_per_epoch + done_steps)
         if is_main:  # keep the epochs the checkpoint has; drop any written after it (a crash in between)
             os.makedirs(output_dir, exist_ok=True)
             kept = []
@@ -63,11 +73,22 @@ class MetricsLog:
                 f.writelines(kept)
             os.replace(f"{self.path}.tmp", self.path)
 
+    def train_loss(self, epoch: int, step: int, loss: float) -> None:
+        """The training loss at `step` of `epoch`, for TensorBoard (rank 0, every --print-freq steps)."""
+        if self.events:
+            self.events.add_scalar("train/loss", loss, epoch * self.steps_per_epoch + step)
+            self.events.flush()  # a spawned process exits without atexit handlers: nothing waits in a buffer
+
     def write(self, record: dict) -> None:
         if not self.is_main:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.events:
+            for name, value in record.items():
+                if name != "epoch" and isinstance(value, (int, float)):
+                    self.events.add_scalar(f"epoch/{name}", value, record["epoch"] * self.steps_per_epoch)
+            self.events.flush()
         print(f"epoch {record['epoch']}: train_loss {record['train_loss']:.4f}  test_loss {record['test_loss']:.4f}"
               f"  top1 {record['top1']:.2f}%  top5 {record['top5']:.2f}%  {record['epoch_time_s']:.1f}s"
               f"  {record['images_per_s']:.0f} img/s  lr {record['lr']:.4g}", flush=True)

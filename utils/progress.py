@@ -19,10 +19,10 @@ class EpochProgress:
     epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
     def __init__(self, batches, *, steps: int, epoch: int, env, args, start_step: int = 0,
-                 epoch_loss: tuple[float, float] = (0.0, 0.0)):
+                 epoch_loss: tuple[float, float] = (0.0, 0.0), log=None):
         self.batches, self.env, self.print_freq, self.lr = batches, env, args.print_freq, args.lr
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
-        self.global_batch = args.batch_size
+        self.global_batch, self.log = args.batch_size, log  # log: metrics.MetricsLog, for TensorBoard
         loss_sum, count = epoch_loss if start_step else (0.0, 0.0)
         # each rank carries 1/W of the saved totals, so the epoch's all-reduce adds them once
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
@@ -58,6 +58,8 @@ class EpochProgress:
                                 / self.env.world_size).tolist()
         self.check_finite(epoch_sum)
         if self.env.is_main:
+            if self.log:
+                self.log.train_loss(self.epoch, self.step, step_loss)
             rate = self.recorded * self.global_batch / (time.perf_counter() - self.start)
             if self.bar:
                 self.bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{rate:.0f}")

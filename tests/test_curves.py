@@ -1,0 +1,65 @@
+"""Curves to look at: --tensorboard's events, and benchmarks.plot drawing several runs into one PNG."""
+import json
+import sys
+
+import pytest
+from conftest import TINY, check, launcher, read_metrics, run
+
+
+def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    out = tmp_path / "run"
+    check(run(launcher("python", "distributed.py") + TINY + ["--epochs", "2", "--tensorboard",
+                                                             "--output-dir", str(out)]))
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    records = read_metrics(out)
+    steps = 3  # TINY: 48 images, global batch 16
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 2 * steps + 1))  # --print-freq 1: every step
+    for name in ("top1", "train_loss", "test_loss", "images_per_s"):
+        scalars = events.Scalars(f"epoch/{name}")
+        assert [e.step for e in scalars] == [steps, 2 * steps]
+        assert [e.value for e in scalars] == pytest.approx([r[name] for r in records], rel=1e-6)
+
+
+def test_tensorboard_without_the_package_is_a_one_line_error(monkeypatch, capsys):
+    import importlib.util
+
+    import distributed
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    with pytest.raises(SystemExit) as stopped:
+        distributed.parse_args(["--tensorboard"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(err) == 1 and "pip install tensorboard" in err[0], err
+
+
+def fake_run(directory, losses):
+    directory.mkdir()
+    (directory / "metrics.jsonl").write_text("".join(
+        json.dumps({"epoch": i + 1, "train_loss": loss, "top1": 10.0 * (i + 1), "epoch_time_s": 30.0}) + "\n"
+        for i, loss in enumerate(losses)))
+
+
+def test_plot_draws_several_runs_into_one_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    fake_run(tmp_path / "ddp", [4.0, 3.0, 2.5])
+    fake_run(tmp_path / "dataparallel", [4.1, 3.2])
+    output = tmp_path / "curves.png"
+    result = check(run([sys.executable, "-m", "benchmarks.plot", str(tmp_path / "ddp"), str(tmp_path / "dataparallel"),
+                        "--output", str(output)]))
+    assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 10_000
+    assert "2 run(s) drawn" in result.stdout
+
+
+@pytest.mark.parametrize(("make", "says"), [(lambda d: d.mkdir(), "holds no metrics.jsonl"),
+                                            (lambda d: fake_run(d, []), "no finished epoch")])
+def test_plot_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, make, says):
+    make(tmp_path / "empty")
+    result = run([sys.executable, "-m", "benchmarks.plot", str(tmp_path / "empty"), "--output",
+                  str(tmp_path / "x.png")])
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
+    assert not (tmp_path / "x.png").exists()
