@@ -85,6 +85,7 @@ def test_an_output_dir_that_is_a_file_is_refused_untouched(module, tmp_path, cap
     assert out.read_text() == "mine\n"
 
 
+@pytest.mark.slow
 def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):
     """A checkpoint of another script: the spawn parent refuses it before starting any process; under
     torchrun the ranks find it themselves, and only rank 0 says so."""
@@ -109,6 +110,7 @@ def test_cifar100_absent_says_where_and_what_to_do(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_cifar100_absent_under_torchrun_is_reported_once(tmp_path):
     result = run(launcher("python", "distributed.py") + TINY + ["--dataset", "cifar100", "--data-dir",
                                                                 str(tmp_path / "d")], timeout=120)

@@ -10,6 +10,8 @@ import pytest
 import torch
 from conftest import check, launcher, load_checkpoint, read_metrics, run
 
+pytestmark = pytest.mark.slow  # every test here runs the scripts through their launchers
+
 # name -> (launcher, script, extra flags); all float32, all with batch statistics over the global batch
 EQUIVALENT = {
     "torchrun": ("torchrun", "distributed.py"),

@@ -22,6 +22,7 @@ def trained(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_short_ddp_run_learns_far_above_chance(trained):
     first, last = read_metrics(trained)
     assert last["top1"] >= 20, last  # chance is 1%
@@ -42,6 +43,7 @@ def direct_count(output_dir):
     return int((predicted == test_set.targets).sum())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nprocs", [1, 3])  # 2: the training run's own evaluation, compared below
 def test_evaluation_is_exact_at_any_world_size(trained, nprocs):
     check(run(launcher("spawn", "distributed_mp.py", nprocs) + [

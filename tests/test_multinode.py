@@ -40,6 +40,7 @@ def assert_same_bits(reference, out):
         assert torch.equal(got["model"][key], tensor), key
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_on_a_c10d_endpoint(runs, tmp_path):
     port = free_port()
     cmd = TORCHRUN + ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
@@ -48,6 +49,7 @@ def test_two_torchrun_agents_on_a_c10d_endpoint(runs, tmp_path):
     assert_same_bits(runs("torchrun", "torchrun", "distributed.py"), tmp_path)
 
 
+@pytest.mark.slow
 def test_two_torchrun_agents_with_a_static_master(runs, tmp_path):
     port = free_port()
     cmds = [TORCHRUN + ["--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1", "--master_addr=127.0.0.1",
@@ -57,6 +59,7 @@ def test_two_torchrun_agents_with_a_static_master(runs, tmp_path):
     assert_same_bits(runs("torchrun", "torchrun", "distributed.py"), tmp_path)
 
 
+@pytest.mark.slow
 def test_two_spawn_machines_with_node_ranks(runs, tmp_path):
     port = free_port()
     cmds = [[sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
@@ -66,6 +69,7 @@ def test_two_spawn_machines_with_node_ranks(runs, tmp_path):
     assert_same_bits(runs("spawn", "spawn", "distributed_mp.py"), tmp_path)
 
 
+@pytest.mark.slow
 def test_srun_without_a_launcher(runs, tmp_path):
     """What srun sets for 2 tasks on one node; the store's host comes from the node list."""
     cmd = [sys.executable, str(ROOT / "distributed.py")] + TINY + ["--output-dir", str(tmp_path)]
@@ -101,6 +105,7 @@ def last_line(result):
     return lines[-1] if lines else ""
 
 
+@pytest.mark.slow
 def test_a_machine_that_cannot_reach_the_master_says_where_it_looked(tmp_path):
     port = free_port()  # nobody listens there
     cmd = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", "1", "--nprocs", "1",
@@ -111,6 +116,7 @@ def test_a_machine_that_cannot_reach_the_master_says_where_it_looked(tmp_path):
     assert not (tmp_path / "checkpoint.pt").exists()
 
 
+@pytest.mark.slow
 def test_machines_that_disagree_on_the_job_are_stopped_before_training(tmp_path):
     port = free_port()
     cmds = [[sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
@@ -152,6 +158,7 @@ def two_hosts():
             ip("netns", "del", name)
 
 
+@pytest.mark.slow
 def test_two_hosts_in_network_namespaces(runs, tmp_path):
     with two_hosts() as (prefixes, interfaces):
         cmds = [prefix + [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),

@@ -84,6 +84,7 @@ def assert_same_weights_bit_for_bit(a: Path, b: Path):
         assert torch.equal(have["momentum_buffer"], want["momentum_buffer"])
 
 
+@pytest.mark.slow
 def test_torchrun_restarts_a_killed_rank_and_the_run_ends_as_if_never_killed(reference, tmp_path):
     cmd = [*launcher("torchrun", "distributed.py")[:3], "--max-restarts=1", *launcher("torchrun", "distributed.py")[3:]]
     proc, output, back_after = run_and_kill(cmd + RUN + ["--output-dir", str(tmp_path)], "epoch 1/2 step 3/6",
@@ -98,6 +99,7 @@ def test_torchrun_restarts_a_killed_rank_and_the_run_ends_as_if_never_killed(ref
         assert got["train_loss"] == pytest.approx(want["train_loss"], rel=1e-6)  # the whole epoch's mean
 
 
+@pytest.mark.slow
 def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
     out = tmp_path / "run"
     cmd = launcher("spawn", "distributed_mp.py") + RUN + ["--output-dir", str(out)]
@@ -121,6 +123,7 @@ def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
     assert metrics[1]["train_loss"] == pytest.approx(read_metrics(reference)[1]["train_loss"], rel=1e-2)
 
 
+@pytest.mark.slow
 def test_restart_keeps_the_old_checkpoint(reference, tmp_path):
     out = tmp_path / "out"
     shutil.copytree(reference, out)
@@ -132,6 +135,7 @@ def test_restart_keeps_the_old_checkpoint(reference, tmp_path):
     assert load_checkpoint(out)["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_resume_from_a_named_checkpoint(reference, tmp_path):
     result = check(run(launcher("python", "distributed.py") + RUN + [
         "--resume", str(reference / "checkpoint.pt"), "--output-dir", str(tmp_path)]))
@@ -139,6 +143,7 @@ def test_resume_from_a_named_checkpoint(reference, tmp_path):
     assert not (tmp_path / "checkpoint.pt").exists() or load_checkpoint(tmp_path)["epoch"] == 2
 
 
+@pytest.mark.slow
 def test_resume_with_other_flags_is_refused(reference, tmp_path):
     shutil.copytree(reference, tmp_path / "out")
     result = run(launcher("python", "distributed.py") + RUN + ["--lr", "0.1", "--output-dir", str(tmp_path / "out")])
@@ -169,6 +174,7 @@ def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path,
     assert checkpoint.load(str(tmp_path / "checkpoint.pt"))["epoch"] == 1
 
 
+@pytest.mark.slow
 def test_truncated_and_foreign_checkpoints_are_refused_untouched(reference, tmp_path):
     data = (reference / "checkpoint.pt").read_bytes()
     truncated = tmp_path / "truncated.pt"

@@ -11,6 +11,7 @@ from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run
 from utils import techniques
 
 
+@pytest.mark.slow
 def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
     """Buckets, their views, the static graph and the foreach SGD step change how the work is done,
     not the arithmetic of any element: the weights after 3 steps equal the default run's to the bit."""
@@ -22,6 +23,7 @@ def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
         assert torch.equal(got["model"][key], tensor), key
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("technique", [["--comm-hook", "fp16"], ["--comm-hook", "bf16"],
                                        ["--channels-last", "--optimizer-impl", "fused"]])
 def test_approximate_techniques_stay_close(runs, technique):
@@ -31,6 +33,7 @@ def test_approximate_techniques_stay_close(runs, technique):
     assert record["train_loss"] == pytest.approx(reference["train_loss"], rel=2e-2)
 
 
+@pytest.mark.slow
 def test_powersgd_runs_beside_syncbatchnorm(tmp_path):
     """PowerSGD issues all-reduces from callback threads; before CpuSyncBatchNorm had a process group of its
     own, their order against its all-reduces differed between ranks and gloo aborted (a collective mismatch).
@@ -41,6 +44,7 @@ def test_powersgd_runs_beside_syncbatchnorm(tmp_path):
     assert second["epoch"] == 2 and 0 < second["train_loss"] < 20
 
 
+@pytest.mark.slow
 def test_accumulation_makes_one_all_reduce_per_optimizer_step(runs):
     """k=4 micro-batches under no_sync(): the gradients cross once per optimizer step, in one bucket
     with --bucket-cap-mb 64 (ResNet-18's 45 MB of gradients); without no_sync it would be 4."""
@@ -50,6 +54,7 @@ def test_accumulation_makes_one_all_reduce_per_optimizer_step(runs):
     assert record["grad_allreduces_per_step"] == 1
 
 
+@pytest.mark.slow
 def test_default_buckets_are_counted(runs):
     """torch's default buckets for ResNet-18: one bucket in the first step, three after DDP rebuilds them
     in the order the gradients became ready (3 steps: (1 + 3 + 3) / 3)."""
@@ -87,6 +92,7 @@ def test_fused_optimizer_impl_needs_torch_sgd():
         techniques.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.Adam)
 
 
+@pytest.mark.slow
 def test_benchmark_writes_table_chart_and_numbers(tmp_path):
     """One row, one timed step: the plumbing of benchmarks.run, not a speed."""
     result = check(run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", "DDP (torchrun)",
