@@ -23,7 +23,6 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-
     def group(self, title: str) -> argparse._ArgumentGroup:
         """The argument group of this title, made on first use: --help lists groups in that order."""
         for group in self._action_groups:
