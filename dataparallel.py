@@ -3,6 +3,7 @@
     python dataparallel.py                      # all visible GPUs
     python dataparallel.py --gpu 0,1            # GPUs 0 and 1 (indices among CUDA_VISIBLE_DEVICES)
     python dataparallel.py --device cpu         # no GPU: the CPU, as a single replica
+    python dataparallel.py --opt-level O1       # mixed precision: float16 autocast + GradScaler on GPUs
 
 Each step, DataParallel copies the weights from the first GPU to the others, splits the batch
 between them, runs the replicas in threads and gathers outputs and gradients back on the first
@@ -14,7 +15,7 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from utils import data, flags, launch, metrics, models, stopping, techniques
+from utils import data, flags, launch, metrics, models, precision, stopping, techniques
 from utils.checkpoint import Checkpoint
 from utils.errors import UsageError, exit_on_error
 from utils.progress import EpochProgress
@@ -25,20 +26,39 @@ def parse_args(argv=None):
     parser.group("processes and devices").add_argument(
         "--gpu", default=None, metavar="0,1,...",
         help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
+    precision.add_flags(parser, opt_level_default="O0")  # --opt-level O1 and --amp-dtype: mixed precision
     flags.add_shared_flags(parser, distributed=False)
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint):
+class AutocastInForward(nn.Module):
+    """Runs the model's forward under autocast inside each DataParallel replica's thread. An autocast
+    entered around the DataParallel call reaches those threads only as on or off, with the device's
+    default dtype (float16 on CUDA) whatever dtype was asked (torch/nn/parallel/parallel_apply.py), so
+    torch's AMP notes advise entering it in the forward itself, as here."""
+    wraps_module = True  # checkpoint.unwrap looks through it: the checkpoint holds the bare model's weights
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None):
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, images):
+        # autocast runs matrix products and convolutions in dtype, reductions in float32
+        with torch.autocast(images.device.type, dtype=self.dtype, enabled=self.dtype is not None):
+            return self.module(images)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, scaler):
     """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
     model.train()
     for images, targets in progress:
         images = images.to(env.device, non_blocking=True)
         targets = targets.to(env.device, non_blocking=True)
-        loss = criterion(model(images), targets)
+        loss = criterion(model(images), targets)  # autocast, if any, is inside: AutocastInForward
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # the replicas' gradients are summed onto the first GPU's weights
-        optimizer.step()
+        scaler.scale(loss).backward()  # the replicas' (scaled) gradients are summed onto the first GPU's weights
+        scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
+        scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
         progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
         if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
             return
@@ -47,9 +67,9 @@ def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint
 
 
 def train(args, env, stop, gpus) -> int:
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main)  # None: float32 (--opt-level O0)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
-    data.prepare(args, env)
-    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
     train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
@@ -60,10 +80,14 @@ def train(args, env, stop, gpus) -> int:
     techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
+    model = AutocastInForward(model, amp_dtype)
     model = nn.DataParallel(model, device_ids=gpus) if gpus else model
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
-    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
+    # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
+    scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
+    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler,
+                            scaler=scaler)
 
     if args.evaluate:
         checkpoint.load_weights()
@@ -79,7 +103,7 @@ def train(args, env, stop, gpus) -> int:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
                                  start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, scaler)
         # split over the GPUs too; None if a stop signal comes during it
         results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop)
         if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit

@@ -56,8 +56,7 @@ def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint
 def train(args, env, stop) -> int:
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main)  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
-    data.prepare(args, env)
-    train_set, test_set = data.load(args, train=True), data.load(args, train=False)
+    train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
     train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)

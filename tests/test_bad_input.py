@@ -20,6 +20,7 @@ CASES = {
     "micro-batch-not-divisible": ("distributed_gradient_accumulation", ["--nprocs", "2", "--grad-accu-steps", "3"],
                                   "--grad-accu-steps 3"),
     "apex-opt-level-O2": ("distributed_apex", ["--opt-level", "O2"], "O1"),
+    "amp-dtype-with-float32": ("dataparallel", ["--amp-dtype", "bfloat16"], "--opt-level O1"),
     "apex-fused-sgd-missing": ("distributed_apex", ["--optimizer", "apex-fused-sgd"], "NVIDIA apex"),
     "no-checkpoint-to-evaluate": ("distributed_mp", ["--evaluate"], "no checkpoint"),
     "bad-flag-value": ("distributed", ["--epochs", "0"], "--epochs"),

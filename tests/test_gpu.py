@@ -1,7 +1,7 @@
 """On GPUs only (skipped without): the NCCL path, and torch's SyncBatchNorm against ours."""
 import pytest
 import torch
-from conftest import TINY, check, launcher, read_metrics, run
+from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run
 from distributed_helpers import on_ranks
 from torch import nn
 
@@ -72,3 +72,26 @@ def test_benchmark_on_the_gpu(tmp_path):
                "--batch-size", "64", "--nprocs", "1", "--output-dir", str(tmp_path)], CUDA_VISIBLE_DEVICES="0"))
     results = json.loads((tmp_path / "benchmark.json").read_text())
     assert results["meta"]["device"] == "cuda" and results["rows"][0]["images_per_s"] > 0
+
+
+@needs_2_gpus
+def test_dataparallel_replicas_autocast_in_the_dtype_asked():
+    """An autocast around the DataParallel call reaches its replica threads as float16 whatever dtype was
+    asked; dataparallel.AutocastInForward enters the asked one inside each replica."""
+    import dataparallel
+    from utils import models
+    model = models.resnet18_cifar().cuda()
+    images = torch.randn(8, 3, 32, 32, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        outside = nn.DataParallel(model, device_ids=[0, 1])(images)
+    inside = nn.DataParallel(dataparallel.AutocastInForward(model, torch.bfloat16), device_ids=[0, 1])(images)
+    assert outside.dtype == torch.float16  # torch's behaviour this class exists for
+    assert inside.dtype == torch.bfloat16
+
+
+@needs_gpu
+def test_dataparallel_float16_with_its_grad_scaler(tmp_path):
+    check(run([*launcher("python", "dataparallel.py"), *TINY, "--device", "cuda", "--opt-level", "O1",
+               "--amp-dtype", "float16", "--output-dir", str(tmp_path)], CUDA_VISIBLE_DEVICES="0"))
+    assert read_metrics(tmp_path)[0]["samples"] == 21
+    assert load_checkpoint(tmp_path)["scaler"]["scale"] > 0

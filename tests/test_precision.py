@@ -1,5 +1,6 @@
 """--opt-level/--amp-dtype: the autocast dtype asked for on each device, and bfloat16 only where a CPU has it."""
 import argparse
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -46,3 +47,30 @@ def test_opt_levels_torch_amp_has_not_are_refused_with_the_reason(text, says):
     with pytest.raises(argparse.ArgumentTypeError, match=says):
         precision.opt_level(text)
     assert precision.opt_level("O0") == "O0"
+
+
+def test_dataparallel_autocast_is_inside_the_forward_and_the_checkpoint_holds_the_bare_weights():
+    import dataparallel
+    from utils import checkpoint, models
+    model = models.resnet18_cifar()
+    images = torch.randn(2, 3, 32, 32)
+    assert dataparallel.AutocastInForward(model, torch.bfloat16)(images).dtype == torch.bfloat16
+    assert dataparallel.AutocastInForward(model, None)(images).dtype == torch.float32
+    wrapped = torch.nn.DataParallel(dataparallel.AutocastInForward(model, torch.bfloat16), device_ids=[])
+    assert checkpoint.unwrap(wrapped) is model
+    assert dataparallel.parse_args([]).opt_level == "O0"  # float32 unless asked, as the seed's DataParallel
+
+
+def test_dataparallel_mixed_precision_trains_and_its_checkpoint_evaluates_exactly(tmp_path):
+    """bfloat16 runs on any CPU; float16 is the same code path with the GradScaler on (see tests/test_gpu.py)."""
+    from conftest import check, launcher, load_checkpoint, read_metrics, run
+    small = ["--dataset", "synthetic", "--train-samples", "32", "--test-samples", "9", "--batch-size", "16",
+             "--workers", "0", "--opt-level", "O1", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]
+    check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1"]))
+    saved = load_checkpoint(tmp_path)
+    assert not any(key.startswith("module.") for key in saved["model"]), list(saved["model"])[:3]
+    assert saved["run"]["opt_level"] == "O1" and saved["run"]["amp_dtype"] == "bfloat16"
+    check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1", "--evaluate"]))
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    (record,) = read_metrics(tmp_path)
+    assert evaluated["samples"] == 9 and evaluated["test_loss"] == pytest.approx(record["test_loss"])

@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 from distributed_helpers import on_ranks
+from processes import Run, alive, process_tree, rank_process
 
 from utils import metrics
 from utils.launch import free_port
@@ -28,85 +29,6 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("never-stopped")
     check(run(launcher("torchrun", "distributed.py") + RUN + ["--workers", "0", "--output-dir", str(out)]))
     return out
-
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                pass
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [p for p, parent in parents.items() if parent in frontier]
-        tree += frontier
-    return tree
-
-
-def alive(pids: list[int]) -> list[int]:
-    """Those of pids still running (a zombie waiting for its parent to reap it counts as gone)."""
-    left = []
-    for pid in pids:
-        try:
-            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                left.append(pid)
-        except (OSError, IndexError):
-            pass
-    return left
-
-
-def rank_process(launcher_pid: int, rank: int) -> int:
-    """The worker of `rank` among a torchrun agent's processes (torchrun exports RANK to each)."""
-    for pid in process_tree(launcher_pid):
-        try:
-            if f"RANK={rank}".encode() in (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0"):
-                return pid
-        except OSError:
-            pass
-    raise AssertionError(f"no rank {rank} under {launcher_pid}")
-
-
-class Run:
-    """A training command started as a user would, in a session of its own (so that a test can signal
-    the whole process group, as Ctrl-C does), read line by line."""
-
-    def __init__(self, cmd: list[str], env: dict | None = None):
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env or subprocess_env(), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, start_new_session=True)
-        self.lines: list[str] = []
-
-    def wait_for(self, text: str, timeout: float = 240) -> None:
-        deadline = time.monotonic() + timeout
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if text in line:
-                return
-            assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output}"
-        raise AssertionError(f"the run ended before {text!r}:\n{self.output}")
-
-    def finish(self, timeout: float = 60) -> tuple[int, float]:
-        """Wait for the launcher and every process it started; returns (exit status, seconds until the
-        last of them was gone). A process still running after `timeout` fails the test and is killed."""
-        pids = process_tree(self.proc.pid)
-        start = time.monotonic()
-        try:
-            self.lines += self.proc.stdout.readlines()
-            self.proc.wait(timeout)
-            while alive(pids) and time.monotonic() - start < timeout:
-                time.sleep(0.05)
-            left = alive(pids)
-            assert not left, f"processes left running: {left}\n{self.output}"
-        finally:
-            for pid in alive(pids):
-                os.kill(pid, signal.SIGKILL)
-        return self.proc.returncode, time.monotonic() - start
-
-    @property
-    def output(self) -> str:
-        return "".join(self.lines)[-6000:]
 
 
 def assert_continues_to_the_reference(cmd: list[str], out: Path, reference: Path, step_said: str, env=None):

@@ -23,8 +23,11 @@ RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "momentum", "weight_decay", "
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside a DDP or DataParallel wrapper, whose state_dict has no "module." prefix."""
-    return model.module if isinstance(model, (DistributedDataParallel, nn.DataParallel)) else model
+    """The model inside its wrappers (DDP, DataParallel, dataparallel.py's AutocastInForward: each keeps it
+    as .module), whose state_dict has no "module." prefix."""
+    while isinstance(model, (DistributedDataParallel, nn.DataParallel)) or getattr(model, "wraps_module", False):
+        model = model.module
+    return model
 
 
 def save_atomic(state: dict, path: str) -> None:

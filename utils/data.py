@@ -79,6 +79,15 @@ class Images(Dataset):
         return TF.normalize(image, MEAN, STD), self.targets[index]
 
 
+def datasets(args, env) -> tuple[Dataset, Dataset]:
+    """The training and test sets of --dataset: CIFAR-100 (downloaded by each machine's local rank 0 if
+    absent, the other ranks waiting) or the synthetic set, cut to --train-samples / --test-samples.
+    For your own data, replace this function: return any two map-style Datasets of (image tensor, class
+    index) pairs (docs/template.md)."""
+    prepare(args, env)
+    return load(args, train=True), load(args, train=False)
+
+
 def prepare(args, env) -> None:
     """Make sure CIFAR-100 is on disk: local rank 0 downloads it if absent, the others wait for it."""
     if args.dataset != "cifar100":
@@ -177,7 +186,8 @@ class TrainLoader:
 
     def epoch(self, epoch: int, start_step: int = 0):
         """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
-        self.dataset.set_epoch(epoch)
+        if hasattr(self.dataset, "set_epoch"):  # Images draws its augmentation from (seed, epoch, index)
+            self.dataset.set_epoch(epoch)
         _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
         if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
             return []
@@ -258,11 +268,18 @@ class DeviceTestLoader:
             yield _normalised(self.images[k:k + self.per_rank_batch]), self.targets[k:k + self.per_rank_batch]
 
 
+def _check_device_loadable(dataset) -> None:
+    if not isinstance(dataset, Images):
+        raise UsageError(f"--loader device needs a data.Images set (uint8 tensors it can hold on the device), "
+                         f"not a {type(dataset).__name__}; use --loader dataloader")
+
+
 def train_loader(dataset: Images, sampler: DistributedSampler, *, per_rank_batch: int, env, args):
     """This rank's training batches in the order of `sampler`, by --loader: DataLoader workers (dataloader)
     or made on env.device (device). The same batches either way, so a run may resume with the other loader.
     Each epoch: sampler.set_epoch(epoch), then loader.epoch(epoch, start_step)."""
     if getattr(args, "loader", "dataloader") == "device":
+        _check_device_loadable(dataset)
         return DeviceTrainLoader(dataset, sampler, per_rank_batch, env.device)
     return TrainLoader(dataset, sampler, per_rank_batch, args.workers, pin=env.device.type == "cuda")
 
@@ -270,6 +287,7 @@ def train_loader(dataset: Images, sampler: DistributedSampler, *, per_rank_batch
 def test_loader(dataset: Images, *, per_rank_batch: int, env, args):
     """This rank's share of the test set, unpadded (so every image counts once), by --loader."""
     if getattr(args, "loader", "dataloader") == "device":
+        _check_device_loadable(dataset)
         return DeviceTestLoader(dataset, per_rank_batch, env)
     return test_dataloader(dataset, per_rank_batch, env.rank, env.world_size, args.workers,
                            pin=env.device.type == "cuda")

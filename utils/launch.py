@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils import checkpoint, data, flags
+from utils import checkpoint, flags
 from utils.errors import UsageError
 
 
@@ -190,12 +190,11 @@ def prepare_rendezvous(args) -> None:
 
 def check_before_spawn(args, script: str) -> None:
     """Everything that can be wrong with a spawn launch, checked before any process starts: the job's
-    shape against the GPUs, the batch split, the output directory and --ip, the data, the checkpoint a
+    shape against the GPUs, the batch split, the output directory and --ip, the checkpoint a
     resume or --evaluate would read; on node 0, the rendezvous port (a free one if --port is not given)."""
     check_launch(args, local_processes=args.nprocs)
     flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
     flags.check_before_start(args)
-    data.prepare(args, env=None)
     checkpoint.check_before_start(args, script)
     prepare_rendezvous(args)
 

@@ -33,7 +33,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
         with amp:
             logits = model(images)
         logits = logits.float()
-        hits = logits.topk(5, dim=1).indices == targets[:, None]
+        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == targets[:, None]  # top-5 of 5+ classes
         totals += torch.stack([F.cross_entropy(logits, targets, reduction="sum").double(),
                                hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
                                torch.tensor(len(targets), dtype=torch.float64, device=device)])

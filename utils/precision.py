@@ -25,19 +25,28 @@ def opt_level(text: str) -> str:
     return text
 
 
-def add_flags(parser, apex_optimizer: bool = False) -> None:
+def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1") -> None:
     """--opt-level and --amp-dtype (and --optimizer with apex's FusedSGD) in a group of their own,
     checked when the flags are parsed."""
     group = parser.group("mixed precision")
-    group.add_argument("--opt-level", type=opt_level, default="O1",
+    group.add_argument("--opt-level", type=opt_level, default=opt_level_default,
                        help="apex's names: O0 = float32, O1 = mixed precision (autocast); O2/O3 are gone")
     group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
                        help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
                             "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower)")
+    parser.checks.append(_check_dtype_with_float32)
     if apex_optimizer:
         group.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",
                            help="apex-fused-sgd: apex.optimizers.FusedSGD, if NVIDIA apex is installed")
         parser.checks.append(_check_apex_optimizer)
+
+
+def _check_dtype_with_float32(args) -> str | None:
+    """--amp-dtype named with --opt-level O0 would be ignored: say so rather than train float32 silently."""
+    if args.opt_level == "O0" and args.amp_dtype != "auto":
+        return (f"--amp-dtype {args.amp_dtype} needs mixed precision, but --opt-level is O0 (float32); "
+                "add --opt-level O1, or drop --amp-dtype")
+    return None
 
 
 def _check_apex_optimizer(args) -> str | None:

@@ -1,0 +1,97 @@
+"""Copying a script as a template (docs/template.md): distributed.py and utils/ copied, and only the two
+functions the page names replaced, one by another torchvision model, the other by an image folder of PNG
+files. The copy trains under torchrun on 2 CPU ranks, stops on Ctrl-C with a checkpoint, continues, and
+evaluates exactly at another world size."""
+import ast
+import json
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import ROOT, check, load_checkpoint, read_metrics, subprocess_env
+from PIL import Image
+from processes import Run
+
+CLASSES = 6
+MODEL = '''
+def resnet18_cifar(num_classes: int = NUM_CLASSES) -> nn.Module:
+    return torchvision.models.mobilenet_v3_small(num_classes=6)
+'''
+DATA = '''
+def datasets(args, env) -> tuple[Dataset, Dataset]:
+    from torchvision.datasets import ImageFolder
+    from torchvision.transforms import v2
+    to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
+    return (ImageFolder(os.path.join(args.data_dir, "train"), to_tensor),
+            ImageFolder(os.path.join(args.data_dir, "test"), to_tensor))
+'''
+
+
+def replace_function(path: Path, name: str, source: str) -> None:
+    """Replace the top-level function `name` of the module at `path` by `source`, all else as it was."""
+    lines = path.read_text().splitlines(keepends=True)
+    (node,) = [n for n in ast.parse("".join(lines)).body if isinstance(n, ast.FunctionDef) and n.name == name]
+    path.write_text("".join(lines[:node.lineno - 1]) + source.lstrip("\n") + "".join(lines[node.end_lineno:]))
+
+
+def write_image_folder(root: Path, per_class: dict[str, int]) -> None:
+    """<root>/<split>/class<c>/<i>.png: each class a colour of its own under noise, 32x32 RGB."""
+    rng = np.random.default_rng(0)
+    for split, count in per_class.items():
+        for c in range(CLASSES):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True)
+            colour = np.array([(c * 40) % 256, (c * 90) % 256, 255 - c * 40])
+            for i in range(count - (split == "test" and c == 0)):  # 17 test images: no world size divides them
+                noise = rng.normal(0, 40, (32, 32, 3))
+                Image.fromarray(np.clip(colour + noise, 0, 255).astype(np.uint8)).save(folder / f"{i}.png")
+
+
+@pytest.fixture
+def template(tmp_path) -> Path:
+    copy = tmp_path / "my_project"
+    copy.mkdir()
+    shutil.copy(ROOT / "distributed.py", copy)
+    shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    replace_function(copy / "utils" / "models.py", "resnet18_cifar", MODEL)
+    replace_function(copy / "utils" / "data.py", "datasets", DATA)
+    write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
+    return copy
+
+
+def torchrun(script: Path, nprocs: int) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", str(script)]
+
+
+@pytest.mark.slow
+def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exactly(template, tmp_path):
+    out = tmp_path / "run"
+    flags = ["--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "2", "--batch-size", "16",
+             "--workers", "0", "--print-freq", "1", "--lr", "0.05", "--output-dir", str(out)]
+    cmd = torchrun(template / "distributed.py", 2) + flags
+    started = Run(cmd)
+    started.wait_for("epoch 1/2 step 2/6")  # 96 images, a global batch of 16: 6 steps per epoch
+    started.proc.send_signal(signal.SIGINT)  # Ctrl-C
+    status, _ = started.finish()
+    assert status != 0 and "stopped by SIGINT at epoch 1" in started.output, started.output
+    stopped_at = load_checkpoint(out)
+    assert stopped_at["epoch"] == 0 and 2 <= stopped_at["step"] < 6
+    assert "features.0.0.weight" in stopped_at["model"]  # the copy's model: MobileNetV3, not ResNet-18
+
+    continued = check(subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                                     timeout=300))
+    assert f"resuming from {out / 'checkpoint.pt'}: epoch 1, step {stopped_at['step']}" in continued.stdout
+    records = read_metrics(out)
+    assert [r["epoch"] for r in records] == [1, 2] and records[-1]["samples"] == 17
+
+    # every test image counted once at another world size: 17 over 4 ranks is 5, 4, 4 and 4
+    check(subprocess.run(torchrun(template / "distributed.py", 4) + flags + ["--evaluate"], cwd=tmp_path,
+                         env=subprocess_env(), capture_output=True, text=True, timeout=300))
+    evaluated = json.loads((out / "eval.json").read_text())
+    assert evaluated["samples"] == 17
+    for key in ("test_loss", "top1", "top5"):
+        assert evaluated[key] == pytest.approx(records[-1][key], rel=1e-5), key
