@@ -3,6 +3,7 @@
     python -m benchmarks.run --quick                    # the CPU: 2 processes, a few minutes
     python -m benchmarks.run                            # all visible GPUs (or the CPU), longer runs
     python -m benchmarks.run --only "DDP (torchrun),no SyncBatchNorm"   # the rows whose name contains these
+    python -m benchmarks.run --quick --only seed        # the seed's four rows: DataParallel and DDP, +- mixed precision
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
@@ -11,7 +12,12 @@ optimizer step that the script writes to metrics.jsonl. The ideal is measured in
 N independent processes of the bare training step (benchmarks/bare_step.py: no process group,
 no data loading), one per device, with the same per-rank batch, side by side; its images/s is
 their sum. "vs ideal" is a row's images/s over the ideal of its precision. Technique rows change
-one flag of the DDP row, so their "vs DDP" column says what that flag buys on this machine.
+one flag of the DDP row, so their "vs DDP" column says what that flag buys on this machine. The "seed
+table" repeats the four rows of the seed project's comparison (DataParallel and DDP, each with and
+without mixed precision: float16 on GPUs, bfloat16 on a CPU).
+
+With --quick on a CPU without native bfloat16 instructions (where bfloat16 is emulated, some 18x slower
+than float32), the bfloat16 rows, ideal and peak are left out, and the output says so.
 
 Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json.
 """
@@ -27,9 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
-from utils import flags
+from utils import flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
@@ -47,10 +54,24 @@ class Row:
     full_only: bool = False  # left out of --quick
 
 
+def mixed_dtype(device: str) -> str:
+    """The mixed precision of the seed table's "+ apex" rows: apex's float16 on GPUs, bfloat16 on a CPU."""
+    return "float16" if device == "cuda" else "bfloat16"
+
+
+def seed_rows(device: str) -> dict[str, str]:
+    """The seed project's four rows, and the rows of ours that measure the same thing."""
+    mixed = "DDP + float16 autocast + GradScaler" if device == "cuda" else "DDP + bfloat16 autocast"
+    return {"DataParallel": "DataParallel", "DataParallel + apex": "DataParallel + mixed precision",
+            "DDP": "DDP (torchrun)", "DDP + apex": mixed}
+
+
 def rows(device: str) -> list[Row]:
-    gpu = device == "cuda"
+    gpu, mixed = device == "cuda", mixed_dtype(device)
     return [
         Row("DataParallel", "dataparallel.py", "python"),
+        Row("DataParallel + mixed precision", "dataparallel.py", "python",
+            ["--opt-level", "O1", "--amp-dtype", mixed], amp=mixed),
         Row("DDP (torchrun)", "distributed.py", "torchrun"),
         Row("DDP (spawn)", "distributed_mp.py", "spawn"),
         Row("DDP + bfloat16 autocast", "distributed_apex.py", "spawn", ["--amp-dtype", "bfloat16"], amp="bfloat16"),
@@ -163,7 +184,12 @@ def markdown(results: dict) -> str:
                  for k, v in meta["ideal"].items()) + ".",
              "Matrix-product peak of one device: " + ", ".join(
                  f"{k} {v:.2f} TFLOP/s" for k, v in meta["peak_tflops"].items()) + ".", ""]
+    if meta.get("left_out"):
+        lines += [meta["left_out"], ""]
+    lines += seed_table(results)
     for table, title in (("method", "Methods"), ("technique", "Techniques (one flag changed on DDP (torchrun))")):
+        if not any(r["table"] == table for r in results["rows"]):
+            continue
         lines += [f"### {title}", "",
                   "| row | script + flags | processes | images/s | s per 50,000-image epoch | vs ideal | vs DDP "
                   "| grad all-reduces / step | peak MB / process | TFLOP/s (% of peak) |",
@@ -185,6 +211,23 @@ def markdown(results: dict) -> str:
                 f"| {r['grad_allreduces_per_step']:g} | {r['peak_memory_mb']:.0f} | {tflops:.3g} |")
         lines.append("")
     return "\n".join(lines)
+
+
+def seed_table(results: dict) -> list[str]:
+    """The seed project's four rows, as measured in this run (those that ran)."""
+    measured = {r["name"]: r for r in results["rows"] if "images_per_s" in r}
+    pairs = [(seed, measured[ours]) for seed, ours in seed_rows(results["meta"]["device"]).items() if ours in measured]
+    if not pairs:
+        return []
+    first = pairs[0][1]["images_per_s"] if pairs[0][0] == "DataParallel" else None
+    lines = ["### Seed table (the seed project's four rows, measured in this run)", "",
+             "| seed's row | our row | script + flags | s per 50,000-image epoch | speed vs DataParallel |",
+             "|---|---|---|---|---|"]
+    for seed, r in pairs:
+        what = f"`{r['script']}{' ' + ' '.join(r['flags']) if r['flags'] else ''}`"
+        ratio = f"{r['images_per_s'] / first:.2f}" if first else ""
+        lines.append(f"| {seed} | {r['name']} | {what} | {EPOCH_IMAGES / r['images_per_s']:.1f} | {ratio} |")
+    return lines + [""]
 
 
 def chart(results: dict, path: Path) -> None:
@@ -227,7 +270,8 @@ def main(argv=None):
     parser.add_argument("--workers", type=flags.non_negative_int, default=None,
                         help="DataLoader workers per process; default: 0 on the CPU (the cores compute), 8 on GPU")
     parser.add_argument("--only", default=None,
-                        help="run only the rows whose name contains this text (several: separated by commas)")
+                        help="run only the rows whose name contains this text (several: separated by commas; "
+                             "seed: the seed table's four rows)")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -244,10 +288,23 @@ def main(argv=None):
         parser.error("--epochs must be 2 or more: the first epoch is not counted")
     if args.batch_size % 4:
         parser.error("--batch-size must be divisible by 4 (the accumulation rows split it in 4 micro-batches)")
+    texts = args.only.split(",") if args.only else []
+    seed = set(seed_rows(args.device).values()) if "seed" in texts else set()  # --only seed: those four rows
     selected = [r for r in rows(args.device) if (gpu or not r.gpu_only) and not (args.quick and r.full_only)
-                and (args.only is None or any(text in r.name for text in args.only.split(",")))]
+                and (not texts or r.name in seed or any(text in r.name for text in texts if text != "seed"))]
     if not selected:
         parser.error(f"--only {args.only!r} matches no row")
+    left_out = ""
+    if args.quick and not gpu and not precision.cpu_has_native_bfloat16():
+        emulated = [r.name for r in selected if r.amp == "bfloat16"]
+        selected = [r for r in selected if r.amp != "bfloat16"]
+        if emulated:
+            left_out = (f"--quick left out {len(emulated)} bfloat16 row(s) ({', '.join(emulated)}): this CPU has no "
+                        "native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 is emulated, some 18x slower "
+                        "than float32; run without --quick to measure them anyway")
+            print(left_out, flush=True)
+        if not selected:
+            parser.error(f"--only {args.only!r}: only bfloat16 rows, which --quick leaves out on this CPU")
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -255,23 +312,42 @@ def main(argv=None):
             "batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs,
             "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
             "flops_per_image": flops_per_image(),
-            "ideal": {}, "peak_tflops": {}}
+            "ideal": {}, "peak_tflops": {}, "left_out": left_out}
     print(f"{meta['hardware']}; {len(selected)} rows", flush=True)
-    for amp in dict.fromkeys([None] + [r.amp for r in selected]):
+    dtypes = list(dict.fromkeys([None] + [r.amp for r in selected]))
+    # one stage per ideal, per row and the float32 ideal again at the end; the bar (on a terminal) names the
+    # current stage and estimates the time left from the stages done; each stage done also prints one line
+    stages = len(dtypes) + len(selected) + 1
+    bar = tqdm(total=stages, unit="stage", dynamic_ncols=True, disable=None,
+               bar_format="{desc}: {n_fmt}/{total_fmt} stages [{elapsed}, about {remaining} left]")
+    started, finished = time.perf_counter(), [0]
+
+    def done(text: str) -> None:
+        bar.update()
+        finished[0] += 1  # a disabled bar (no terminal) counts nothing
+        left = (time.perf_counter() - started) / finished[0] * (stages - finished[0])
+        eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
+        bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
+
+    for amp in dtypes:
+        bar.set_description(f"ideal and matmul peak, {amp or 'float32'}")
         meta["ideal"][amp or "float32"] = ideal(args, amp)
         meta["peak_tflops"][amp or "float32"] = matmul_peak(args, amp or "float32")
-        print(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
-              f"matmul peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s", flush=True)
+        done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
+             f"matmul peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
     results = {"meta": meta, "rows": []}
-    for i, row in enumerate(selected, 1):
+    for row in selected:
+        bar.set_description(row.name)
         measured = run_row(row, args)
         results["rows"].append({"name": row.name, "script": row.script, "flags": row.flags, "table": row.table,
                                 "amp": row.amp, **measured})
-        shown = (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)" if "images_per_s" in measured
-                 else f"failed: {measured['error']}")
-        print(f"[{i}/{len(selected)}] {row.name}: {shown}", flush=True)
+        done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
+                                if "images_per_s" in measured else f"failed: {measured['error']}"))
     # the float32 ideal again at the end, so that the machine's drift during the run shows
+    bar.set_description("ideal float32, again")
     again = ideal(args, None)["images_per_s"]
+    done(f"ideal float32 again: {again:.1f} images/s")
+    bar.close()
     first = meta["ideal"]["float32"]["images_per_s"]
     meta["ideal"]["float32"].update(images_per_s=(first + again) / 2, before=first, after=again)
     (out / "benchmark.json").write_text(json.dumps(results, indent=1))

@@ -113,3 +113,41 @@ def test_benchmark_bad_input_is_one_line(argv, tmp_path):
     result = run([sys.executable, "-m", "benchmarks.run", "--output-dir", str(tmp_path)] + argv)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "benchmark.md").exists()
+
+
+def fake_measurements(monkeypatch, native_bfloat16: bool):
+    """benchmarks.run with every measurement replaced by a number: the selection, the tables and the output."""
+    from benchmarks import run as bench
+    monkeypatch.setattr(bench.precision, "cpu_has_native_bfloat16", lambda: native_bfloat16)
+    monkeypatch.setattr(bench, "ideal", lambda args, amp: {"images_per_s": 100.0, "peak_memory_mb": 1.0})
+    monkeypatch.setattr(bench, "matmul_peak", lambda args, dtype: 1.0)
+    monkeypatch.setattr(bench, "flops_per_image", lambda: 3.3e9)
+    rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
+             "DDP + bfloat16 autocast": 100.0}
+    monkeypatch.setattr(bench, "run_row", lambda row, args: {
+        "processes": 2, "images_per_s": rates[row.name], "peak_memory_mb": 1.0, "grad_allreduces_per_step": 3,
+        "wall_s": 0.0})
+    return bench
+
+
+def test_seed_table_has_the_seed_projects_four_rows(monkeypatch, tmp_path, capsys):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "| DataParallel + apex | DataParallel + mixed precision | `dataparallel.py --opt-level O1 --amp-dtype " \
+           "bfloat16` | 625.0 | 1.60 |" in table
+    assert "| DDP + apex | DDP + bfloat16 autocast |" in table and "| DDP | DDP (torchrun) |" in table
+    assert "### Techniques" not in table  # no technique row was run
+    said = capsys.readouterr().out
+    assert "[5/7] DDP (torchrun): 60.0 images/s (0 s); under a minute left" in said  # 2 ideals, 4 rows, the ideal again
+
+
+def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypatch, tmp_path, capsys):
+    bench = fake_measurements(monkeypatch, native_bfloat16=False)
+    bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [r["name"] for r in results["rows"]] == ["DataParallel", "DDP (torchrun)"]
+    assert list(results["meta"]["ideal"]) == ["float32"]  # no bfloat16 ideal or peak measured either
+    said = capsys.readouterr().out
+    assert "--quick left out 2 bfloat16 row(s)" in said and "no native bfloat16" in said
+    assert "--quick left out" in (tmp_path / "benchmark.md").read_text()
