@@ -86,8 +86,8 @@ def train(args, env, stop, gpus) -> int:
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
-    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler,
-                            scaler=scaler)
+    checkpoint = Checkpoint(args, env, __file__, precision=amp_dtype, model=model, optimizer=optimizer,
+                            scheduler=scheduler, scaler=scaler)
 
     if args.evaluate:
         checkpoint.load_weights()

@@ -12,7 +12,9 @@ CPU, CUDA = torch.device("cpu"), torch.device("cuda")  # a device object needs n
 
 
 def flags(opt_level="O1", amp_dtype="auto"):
-    return SimpleNamespace(opt_level=opt_level, amp_dtype=amp_dtype)
+    """A new run: no checkpoint to continue."""
+    return SimpleNamespace(opt_level=opt_level, amp_dtype=amp_dtype, evaluate=False, resume=None, restart=False,
+                           output_dir="/nonexistent/run")
 
 
 def test_auto_on_a_cpu_without_native_bfloat16_trains_float32_and_says_why(monkeypatch, capsys):
@@ -69,7 +71,7 @@ def test_dataparallel_mixed_precision_trains_and_its_checkpoint_evaluates_exactl
     check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1"]))
     saved = load_checkpoint(tmp_path)
     assert not any(key.startswith("module.") for key in saved["model"]), list(saved["model"])[:3]
-    assert saved["run"]["opt_level"] == "O1" and saved["run"]["amp_dtype"] == "bfloat16"
+    assert saved["resolved"]["precision"] == "bfloat16" and not saved["resolved"]["loss_scaling"]
     check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1", "--evaluate"]))
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     (record,) = read_metrics(tmp_path)

@@ -152,7 +152,7 @@ def test_resume_with_other_flags_is_refused(reference, tmp_path):
 
 def tiny_checkpoints(tmp_path, model):
     args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False)
-    env = SimpleNamespace(is_main=True, world_size=1)
+    env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
     return checkpoint.Checkpoint(args, env, "distributed.py", model=model)
 
 

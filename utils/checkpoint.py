@@ -1,25 +1,44 @@
-"""A checkpoint: all a run needs to continue, written atomically by rank 0, read with weights_only=True.
+"""A run's checkpoints in <output-dir>: written atomically by rank 0, the newest --keep of them kept, read
+with weights_only=True; and the lock that lets one run at a time use an output directory.
 
 A checkpoint holds the weights (without DDP's "module." prefix), optimizer, scheduler and, where there
-is one, the GradScaler, with the epoch and step reached. It holds no RNG state because none is
-needed: the data order and the augmentation are functions of (--seed, epoch, index) (utils/data.py).
+is one, the GradScaler, with the epoch and step reached, the flags that define the run, and what the run
+resolved them to (the precision it trained in, the optimizer's implementation). It holds no RNG state
+because none is needed: the data order and the augmentation are functions of (--seed, epoch, index)
+(utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
 """
+import contextlib
+import fcntl
 import os
 import pickle
+import re
+import shutil
+import socket
+import sys
 import time
+import warnings
 import zipfile
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from utils.errors import Diverged, UsageError
+from utils import collectives
+from utils.errors import Diverged, StorageError, UsageError
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
-# The flags that define a run: a checkpoint continues only a run with the same values.
+LOCKNAME = "run.lock"
+# The flags that define a run: a checkpoint continues only a run with the same values. The precision is
+# compared as the run resolved it (precision.autocast_dtype), the other flags may change (docs/fault_tolerance.md).
 RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "momentum", "weight_decay", "dataset", "train_samples",
-             "no_augment", "no_sync_bn", "opt_level", "amp_dtype", "grad_accu_steps")
+             "no_augment", "no_sync_bn", "grad_accu_steps", "init_from")
+# optimizer settings that pick an implementation of the same update: the flag given now is the one in force
+IMPLEMENTATION_KEYS = ("foreach", "fused")
+
+
+class Unreadable(UsageError):
+    """A file that is not a whole checkpoint: truncated, corrupt, empty."""
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -30,23 +49,94 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def save_atomic(state: dict, path: str) -> None:
-    """Write to a temporary file, flush it to disk, then rename: a crash leaves the old file whole."""
-    tmp = f"{path}.tmp"
+def kept_path(output_dir: str, k: int) -> str:
+    """The k-th newest checkpoint: checkpoint.pt, checkpoint.1.pt, checkpoint.2.pt, ..."""
+    return os.path.join(output_dir, FILENAME if k == 0 else f"checkpoint.{k}.pt")
+
+
+def kept_paths(output_dir: str) -> list[str]:
+    """The checkpoints in output_dir, newest first."""
+    found = [0] if os.path.exists(kept_path(output_dir, 0)) else []
+    if os.path.isdir(output_dir):
+        found += sorted(int(m[1]) for m in map(re.compile(r"checkpoint\.(\d+)\.pt").fullmatch, os.listdir(output_dir))
+                        if m)
+    return [kept_path(output_dir, k) for k in found]
+
+
+def _nbytes(obj) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(_nbytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(_nbytes(v) for v in obj)
+    return 0
+
+
+class _WritesRemembered:
+    """A file whose failed write is remembered: torch.save turns an OSError (no space left) into a
+    RuntimeError that does not name it."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+
+def save_atomic(state: dict, path: str, keep: int = 1) -> None:
+    """Write to a temporary file of this process, flush it to disk, then rename it to `path`, the older
+    checkpoints moving down one (checkpoint.pt -> checkpoint.1.pt ...) and the one past `keep` removed: a
+    crash leaves every earlier checkpoint whole. A failed write (full disk, I/O error, read-only file
+    system) removes the temporary file and raises StorageError, saying how much room was needed."""
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            written = _WritesRemembered(f)
+            try:
+                torch.save(state, written)
+            except RuntimeError:  # torch reports a failed write as "unexpected pos ...": say the cause
+                raise written.error or sys.exc_info()[1] from None
             f.flush()
             os.fsync(f.fileno())
-    except BaseException:
-        os.remove(tmp)
-        raise
-    os.replace(tmp, path)
-    directory = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+        for k in range(keep - 1, 0, -1):  # the oldest kept first, so that no rename overwrites a checkpoint
+            if os.path.exists(older := kept_path(directory, k - 1)):
+                os.replace(older, kept_path(directory, k))
+        os.replace(tmp, path)
+        for extra in kept_paths(directory)[keep:]:  # --keep lowered since the last run
+            os.remove(extra)
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # make the renames themselves durable
+        finally:
+            os.close(fd)
+    except OSError as error:
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+        newest = kept_paths(directory)
+        intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
+        needed = _nbytes(state) / 2**20
+        raise StorageError(f"could not write {path} ({error.strerror or error}; a checkpoint needs about "
+                           f"{needed:.0f} MB, {free / 2**20:.0f} MB are free there); {intact}") from None
+    finally:  # a failure or an interruption at any point: no temporary file left behind
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+
+
+def _read(path: str):
+    """torch.load on the CPU with weights_only=True; what went wrong as an Unreadable of one short line."""
     try:
-        os.fsync(directory)  # make the rename itself durable
-    finally:
-        os.close(directory)
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise Unreadable(reason[:160]) from None
 
 
 def load(path: str) -> dict:
@@ -54,10 +144,9 @@ def load(path: str) -> dict:
     if not os.path.isfile(path):
         raise UsageError(f"no checkpoint at {path}")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise UsageError(f"{path} is not a readable checkpoint ({reason[:160]}); it was left untouched") from None
+        state = _read(path)
+    except Unreadable as why:
+        raise Unreadable(f"{path} is not a readable checkpoint ({why}); it was left untouched") from None
     if not isinstance(state, dict) or state.get("arch") != ARCH or "model" not in state:
         raise UsageError(f"{path} is not a {ARCH} checkpoint of these scripts; it was left untouched")
     return state
@@ -69,6 +158,21 @@ def load_weights(model: nn.Module, state: dict, path: str) -> None:
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
         raise UsageError(f"{path} holds weights of another architecture ({first[:160]})") from None
+
+
+def weights_of(path: str) -> dict:
+    """The model weights in `path` for --init-from: a checkpoint of any of these scripts, or a plain
+    state_dict (DDP's "module." and torch.compile's "_orig_mod." prefixes removed)."""
+    if not os.path.isfile(path):
+        raise UsageError(f"--init-from {path}: no such file")
+    try:
+        state = _read(path)
+    except Unreadable as why:
+        raise UsageError(f"--init-from {path} is not readable ({why})") from None
+    weights = state.get("model", state) if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(v, torch.Tensor) for v in weights.values()):
+        raise UsageError(f"--init-from {path} holds neither a checkpoint of these scripts nor a state_dict of tensors")
+    return {re.sub(r"^(module\.|_orig_mod\.)+", "", key): value for key, value in weights.items()}
 
 
 def run_flags(args) -> dict:
@@ -85,36 +189,125 @@ def check_same_run(state: dict, args, script: str, path: str) -> None:
         if saved != value:
             flag = "--" + name.replace("_", "-")
             raise UsageError(f"{path} is a run with {flag} {saved}, not {value}; resume with the same flags, "
-                             "or start afresh with --restart")
+                             f"start afresh with --restart, or start a new run from its weights with "
+                             f"--init-from {path} and another --output-dir")
 
 
-def to_resume(args) -> str | None:
-    """The checkpoint this run continues: --resume, else <output-dir>/checkpoint.pt unless --restart.
-    A restart by torchrun (--max-restarts) always resumes: --restart was meant for the first start."""
-    if args.resume:
-        return args.resume
-    path = os.path.join(args.output_dir, FILENAME)
+def resuming(args) -> bool:
+    """Whether this start continues what <output-dir> holds. A restart by torchrun (--max-restarts) always
+    resumes: --restart was meant for the first start."""
     restarted_by_torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    if os.path.exists(path) and (restarted_by_torchrun or not args.restart):
-        return path
-    return None
+    return restarted_by_torchrun or not args.restart
+
+
+def newest_readable(args, say=None) -> tuple[str | None, dict | None, list[str]]:
+    """The checkpoint this run continues and its contents: --resume, else the newest readable one in
+    <output-dir> (unless --restart); (None, None, []) when there is none. Also the newer ones that could
+    not be read, each reported through `say` (a print function, or None). When none can be read, the
+    newest one's Unreadable is raised and every file is left as it is."""
+    if args.resume:
+        return args.resume, load(args.resume), []
+    candidates = kept_paths(args.output_dir) if resuming(args) else []
+    errors = []
+    for path in candidates:
+        try:
+            state = load(path)
+        except Unreadable as error:
+            errors.append(error)
+            continue
+        if say:
+            for error in errors:
+                say(f"{str(error).split('; it was left')[0]}; continuing from {path}, the checkpoint before it")
+        return path, state, candidates[:len(errors)]
+    if errors:
+        raise errors[0]
+    return None, None, []
+
+
+def recorded_precision(args) -> tuple[str | None, str | None]:
+    """(precision, path): the precision the checkpoint this run continues trained in, or None for a new run
+    (and for an older checkpoint that recorded only --opt-level O1 --amp-dtype auto)."""
+    if getattr(args, "evaluate", False):
+        return None, None
+    path, state, _ = newest_readable(args)
+    if state is None:
+        return None, None
+    if "precision" in state.get("resolved", {}):
+        return state["resolved"]["precision"], path
+    typed = state.get("run", {})  # older checkpoints: what was typed
+    if typed.get("opt_level") == "O0":
+        return "float32", path
+    return (typed["amp_dtype"], path) if typed.get("amp_dtype", "auto") != "auto" else (None, None)
 
 
 def check_before_start(args, script: str) -> None:
     """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable."""
     if args.evaluate:
         load(os.path.join(args.output_dir, FILENAME))
-    elif path := to_resume(args):
-        check_same_run(load(path), args, script, path)
+        return
+    path, state, _ = newest_readable(args)
+    if state is not None:
+        check_same_run(state, args, script, path)
+
+
+def lock_path(output_dir: str) -> str:
+    return os.path.join(output_dir, LOCKNAME)
+
+
+def _busy(output_dir: str, fd: int) -> UsageError:
+    os.lseek(fd, 0, os.SEEK_SET)
+    holder = os.read(fd, 1000).decode(errors="replace").strip() or "a process that has not said which"
+    return UsageError(f"--output-dir {output_dir} is in use by another run ({holder}); wait for it to end, "
+                      "stop it, or choose another --output-dir")
+
+
+def check_output_dir_free(output_dir: str) -> None:
+    """Fail at once if another run holds output_dir's lock; take nothing, create nothing."""
+    try:
+        fd = os.open(lock_path(output_dir), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise _busy(output_dir, fd) from None
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
+def lock_output_dir(output_dir: str) -> int:
+    """Take output_dir's lock for this process's lifetime (the OS drops it when the process ends, however
+    it ends); say in the lock file who holds it; remove temporary files that crashed runs left behind."""
+    os.makedirs(output_dir, exist_ok=True)
+    fd = os.open(lock_path(output_dir), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        error = _busy(output_dir, fd)
+        os.close(fd)
+        raise error from None
+    command = " ".join(os.path.basename(a) if i == 0 else a for i, a in enumerate(sys.argv))[:300]
+    holder = (f"process {os.getpid()}, started by {os.getppid()}, on {socket.gethostname()} since "
+              f"{time.strftime('%Y-%m-%d %H:%M:%S')}: {command}")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, holder.encode() + b"\n", 0)
+    for name in os.listdir(output_dir):
+        if re.fullmatch(r"(checkpoint\.pt|metrics\.jsonl)(\.\d+)?\.tmp", name):
+            os.remove(os.path.join(output_dir, name))
+    return fd
 
 
 class Checkpoint:
-    """The checkpoint of one run in <output-dir>/checkpoint.pt: save on rank 0, load on every rank."""
+    """The checkpoints of one run in <output-dir>: save on rank 0, load on every rank. `precision` is the
+    autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
 
-    def __init__(self, args, env, script: str, **parts):
+    def __init__(self, args, env, script: str, *, precision: torch.dtype | None = None, **parts):
         self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
+        self.precision = str(precision).removeprefix("torch.") if precision else "float32"
         self.path = os.path.join(args.output_dir, FILENAME)
+        self.keep = getattr(args, "keep", 1)
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
+        self.lock = None
 
     def due(self, step: int, steps: int) -> bool:
         """A mid-epoch checkpoint is due after `step` of `steps` (--save-every-steps; the epoch's end saves anyway)."""
@@ -125,49 +318,116 @@ class Checkpoint:
         """For --evaluate: only the model's weights, from a checkpoint of any of the scripts."""
         load_weights(self.parts["model"], load(self.path), self.path)
 
+    def hold_output_dir(self) -> None:
+        """Rank 0 takes <output-dir>'s lock for the whole run; if another run holds it, every rank stops
+        with one line (UsageError) before anything in it is touched."""
+        error = None
+        if self.env.is_main:
+            try:
+                self.lock = lock_output_dir(self.args.output_dir)
+            except UsageError as e:
+                error = e
+        if not collectives.all_ok(error is None, self.env.device):
+            raise error or UsageError(f"--output-dir {self.args.output_dir} is in use by another run")
+
     def resume(self) -> tuple[int, int]:
-        """Restore every part from the checkpoint to continue, if any; return the (epoch, step) to start at."""
-        path = to_resume(self.args)
-        if path is None:
-            self._keep_old_checkpoint()
+        """Hold <output-dir>, then restore every part from the checkpoint to continue, if any (or the
+        weights of --init-from for a new run); return the (epoch, step) to start at."""
+        self.hold_output_dir()
+        say = (lambda line: print(line, flush=True)) if self.env.is_main else None
+        path, state, unreadable = newest_readable(self.args, say)
+        if self.env.is_main:
+            for bad in unreadable:  # out of the way, so that the next save does not keep it instead of a good one
+                os.replace(bad, f"{bad}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
+        if state is None:
+            self._keep_old_checkpoints()
+            if self.args.init_from:
+                self._start_from_weights(self.args.init_from)
             return 0, 0
-        state = load(path)
         check_same_run(state, self.args, self.script, path)
         load_weights(self.parts["model"], state, path)
         for name, part in self.parts.items():
-            if name != "model" and part is not None:
+            if name == "optimizer":
+                load_optimizer(part, state[name])
+            elif name == "scaler":
+                load_scaler(part, state.get(name, {}), path)
+            elif name != "model" and part is not None:
                 part.load_state_dict(state[name])
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
+        if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.env.is_main:
             print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
                   f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
 
-    def _keep_old_checkpoint(self) -> None:
-        """--restart: the old checkpoint is renamed, never silently overwritten."""
-        if self.env.is_main and os.path.exists(self.path):
+    def _start_from_weights(self, path: str) -> None:
+        weights = weights_of(path)
+        try:
+            unwrap(self.parts["model"]).load_state_dict(weights)
+        except RuntimeError as e:
+            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+            raise UsageError(f"--init-from {path} holds weights of another model ({first[:160]})") from None
+        if self.env.is_main:
+            print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
+
+    def _keep_old_checkpoints(self) -> None:
+        """--restart: the old checkpoints are renamed, never silently overwritten."""
+        if self.env.is_main and kept_paths(self.args.output_dir):
             stamp = time.strftime("%Y%m%d-%H%M%S")
             others = (os.path.join(self.args.output_dir, name) for name in ("metrics.jsonl", "tensorboard"))
-            for path in (self.path, *others):
+            for path in (*kept_paths(self.args.output_dir), *others):
                 if os.path.exists(path):
                     os.replace(path, f"{path}.{stamp}")
-            print(f"--restart: starting afresh; the previous checkpoint and metrics are kept as *.{stamp}", flush=True)
+            print(f"--restart: starting afresh; the previous checkpoints and metrics are kept as *.{stamp}", flush=True)
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
         """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are
         not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; then
-        rank 0 writes and the others return."""
+        rank 0 writes, and a failed write raises StorageError on every rank."""
         weights = unwrap(self.parts["model"]).state_dict()
         floats = [t for t in weights.values() if t.is_floating_point()]
         if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
                            f"diverged; try a lower --lr than {self.args.lr:g}. {self.path} was not overwritten")
-        if not self.env.is_main:
-            return
+        error = None
+        if self.env.is_main:
+            try:
+                save_atomic(self.state(weights, epoch, step, epoch_loss), self.path, self.keep)
+            except StorageError as e:
+                error = e
+        if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint
+            raise error or StorageError("rank 0 could not write the checkpoint (its error says why)")
+
+    def state(self, weights: dict, epoch: int, step: int, epoch_loss: tuple[float, float]) -> dict:
         state = {name: (weights if name == "model" else part.state_dict())
                  for name, part in self.parts.items() if part is not None}
+        optimizer = self.parts.get("optimizer")
+        scaler = self.parts.get("scaler")
         state.update(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
                      epoch_loss=list(epoch_loss), run=run_flags(self.args),
+                     resolved={"precision": self.precision, "loss_scaling": bool(scaler and scaler.is_enabled()),
+                               "optimizer": {k: optimizer.param_groups[0].get(k) for k in IMPLEMENTATION_KEYS}
+                               if optimizer else {}},
                      world_size=self.env.world_size, batch_size=self.args.batch_size)
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        save_atomic(state, self.path)
+        return state
+
+
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+    """The saved state (momentum buffers, learning rate), with the implementation of the optimizer as built
+    now: load_state_dict would bring back the saved foreach/fused settings, and a fused SGD built as not
+    fused would then meet a GradScaler that unscales for it."""
+    built = [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
+    optimizer.load_state_dict(saved)
+    for group, implementation in zip(optimizer.param_groups, built, strict=True):
+        group.update(implementation)
+
+
+def load_scaler(scaler: torch.amp.GradScaler, saved: dict, path: str) -> None:
+    """The GradScaler's state; an enabled scaler needs a saved one (the precision check makes it so,
+    except for a checkpoint older than the recorded precision)."""
+    if scaler.is_enabled() and not saved:
+        raise UsageError(f"{path} trained without float16 loss scaling and does not record its precision; "
+                         "resume with the --amp-dtype it trained in, or start a new run with --init-from")
+    if scaler.is_enabled():
+        scaler.load_state_dict(saved)

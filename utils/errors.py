@@ -19,6 +19,13 @@ class Diverged(Exception):
     exit_status = 1
 
 
+class StorageError(Exception):
+    """A file could not be written (a full disk, an I/O error, a read-only file system): one line, exit
+    status 1; the previous checkpoint is intact."""
+
+    exit_status = 1
+
+
 def report(message: str) -> None:
     """Print one error line; under a launcher only local rank 0 of each machine speaks, so the N ranks
     of a machine do not repeat it (and a machine that cannot reach the others still says why)."""
@@ -29,11 +36,11 @@ def report(message: str) -> None:
 
 @contextlib.contextmanager
 def exit_on_error():
-    """Turn a UsageError or Diverged raised inside the block into its line on stderr and exit status;
+    """Turn a UsageError, Diverged or StorageError raised inside the block into its line on stderr and exit status;
     a process group that times out waiting for its ranks is a UsageError too."""
     try:
         yield
-    except (UsageError, Diverged) as error:
+    except (UsageError, Diverged, StorageError) as error:
         report(str(error))
         sys.exit(error.exit_status)
     except torch.distributed.DistStoreError as error:  # in init_process_group: a rank that never came

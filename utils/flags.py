@@ -8,7 +8,7 @@ import socket
 import sys
 import tempfile
 
-from utils import techniques
+from utils import checkpoint, techniques
 from utils.errors import UsageError
 
 
@@ -105,13 +105,28 @@ def add_shared_flags(parser: Parser, distributed: bool = True) -> None:
     ckpt.add_argument("--resume", default=None, metavar="PATH",
                       help="continue from this checkpoint (default: <output-dir>/checkpoint.pt, when there is one)")
     ckpt.add_argument("--restart", action="store_true",
-                      help="start afresh although <output-dir> holds a checkpoint; the old one is kept, renamed")
+                      help="start afresh although <output-dir> holds a checkpoint; the old ones are kept, renamed")
+    ckpt.add_argument("--init-from", default=None, metavar="PATH",
+                      help="start a new run from the model weights in PATH (a checkpoint of any of these scripts, "
+                           "or a state_dict), with a fresh optimizer and schedule: to train longer, or fine-tune")
+    ckpt.add_argument("--keep", type=positive_int, default=2, metavar="N",
+                      help="keep the newest N checkpoints (checkpoint.pt, checkpoint.1.pt, ...); a run whose "
+                           "newest cannot be read continues from the one before")
     ckpt.add_argument("--evaluate", action="store_true",
                       help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
     ckpt.add_argument("--tensorboard", action="store_true",
                       help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
                            "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
     parser.checks.append(_tensorboard_missing)
+    parser.checks.append(_init_from_conflicts)
+
+
+def _init_from_conflicts(args) -> str | None:
+    if args.init_from and args.resume:
+        return "--init-from starts a new run and --resume continues one: give one of them"
+    if args.init_from and args.evaluate:
+        return "--evaluate tests <output-dir>/checkpoint.pt; --init-from is for training (drop one of them)"
+    return None
 
 
 def _tensorboard_missing(args) -> str | None:
@@ -158,7 +173,8 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
 
 def check_before_start(args) -> None:
     """Checks of the flags that need the file system or the network, before any process starts or any
-    data loads, creating nothing: the output directory can be written (or made), and --ip resolves."""
+    data loads, creating nothing: the output directory can be written (or made) and no other run holds
+    it, and --ip resolves."""
     if not args.output_dir.strip():
         raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
     path = os.path.abspath(args.output_dir)
@@ -173,6 +189,8 @@ def check_before_start(args) -> None:
     except OSError as error:
         raise UsageError(f"--output-dir {args.output_dir}: cannot write in {existing} ({error.strerror})") from None
     check_address(getattr(args, "ip", None))
+    if not args.evaluate:
+        checkpoint.check_output_dir_free(args.output_dir)  # another run holds it: stop before starting anything
 
 
 def per_rank_batch(global_batch: int, world_size: int, accu_steps: int = 1) -> int:

@@ -10,7 +10,8 @@ import sys
 
 import torch
 
-from utils import launch
+from utils import checkpoint, launch
+from utils.errors import UsageError
 
 OPT_LEVELS = {"O0": "float32", "O1": "mixed precision (autocast)"}
 
@@ -79,19 +80,41 @@ def cpu_has_native_bfloat16() -> bool:
     return bool(avx512_bf16() or amx())
 
 
-def autocast_dtype(args, device: torch.device, is_main: bool) -> torch.dtype | None:
-    """The dtype autocast runs matrix products and convolutions in, None for float32 (--opt-level O0,
-    or auto on a CPU without native bfloat16, which rank 0 says in one line)."""
-    if args.opt_level == "O0":
-        return None
-    if args.amp_dtype != "auto":
-        return getattr(torch, args.amp_dtype)
+def default_precision(device: torch.device) -> str:
+    """What --amp-dtype auto picks for a new run: float16 on a GPU, bfloat16 on a CPU with native bfloat16
+    instructions, float32 on other CPUs."""
     if device.type == "cuda":
-        return torch.float16
-    if cpu_has_native_bfloat16():
-        return torch.bfloat16
-    if is_main:
+        return "float16"
+    return "bfloat16" if cpu_has_native_bfloat16() else "float32"
+
+
+def autocast_dtype(args, device: torch.device, is_main: bool) -> torch.dtype | None:
+    """The dtype autocast runs matrix products and convolutions in, None for float32.
+
+    A new run: --opt-level O0 is float32, an explicit --amp-dtype is that dtype, and auto is
+    default_precision (rank 0 says in one line when a CPU without native bfloat16 makes it float32).
+    A resumed run keeps the precision its checkpoint trained in: auto takes it (said in one line where
+    this device alone would pick another), and an explicit other one is refused (UsageError): it would
+    change the arithmetic mid-run."""
+    asked = "float32" if args.opt_level == "O0" else None if args.amp_dtype == "auto" else args.amp_dtype
+    trained, path = checkpoint.recorded_precision(args)
+    if trained:
+        if asked and asked != trained:
+            flag = "--opt-level O0" if asked == "float32" else f"--amp-dtype {asked}"
+            raise UsageError(f"{path} trained in {trained}, and {flag} would change its arithmetic mid-run; resume "
+                             f"without {flag} (auto continues in {trained}), or start a new run from its weights "
+                             f"with --init-from {path} and another --output-dir")
+        if trained == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
+            raise UsageError(f"{path} trained in bfloat16, which this GPU does not support; resume it on one that "
+                             "does, or start a new run from its weights with --init-from")
+        if asked is None and trained != default_precision(device) and is_main:
+            print(f"--amp-dtype auto: continuing in {trained}, the precision {path} trained in (a new run "
+                  f"here would pick {default_precision(device)})", file=sys.stderr, flush=True)
+        return None if trained == "float32" else getattr(torch, trained)
+    if asked:
+        return None if asked == "float32" else getattr(torch, asked)
+    if default_precision(device) == "float32" and is_main:
         print("--amp-dtype auto: this CPU has no native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 "
               "would be slower than float32; training in float32 (--amp-dtype bfloat16 forces it)",
               file=sys.stderr, flush=True)
-    return None
+    return None if default_precision(device) == "float32" else getattr(torch, default_precision(device))

@@ -91,7 +91,7 @@ class EpochProgress:
         if self.bar:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
-                "images_per_s": self.recorded * self.global_batch / seconds,
+                "images_per_s": self.recorded * self.global_batch / seconds if self.recorded else None,
                 "grad_allreduces_per_step": (techniques.grad_allreduces() - self.allreduces_at_start)
                 / max(self.recorded, 1),
                 "peak_memory_mb": peak_memory_mb(self.env.device)}
