@@ -21,6 +21,8 @@ CASES = {
                                   "--grad-accu-steps 3"),
     "apex-opt-level-O2": ("distributed_apex", ["--opt-level", "O2"], "O1"),
     "amp-dtype-with-float32": ("dataparallel", ["--amp-dtype", "bfloat16"], "--opt-level O1"),
+    "init-from-missing": ("distributed", ["--init-from", "/no/such/weights.pt"], "--init-from /no/such"),
+    "init-from-with-resume": ("distributed_mp", ["--init-from", "a.pt", "--resume", "b.pt"], "give one of them"),
     "apex-fused-sgd-missing": ("distributed_apex", ["--optimizer", "apex-fused-sgd"], "NVIDIA apex"),
     "no-checkpoint-to-evaluate": ("distributed_mp", ["--evaluate"], "no checkpoint"),
     "bad-flag-value": ("distributed", ["--epochs", "0"], "--epochs"),

@@ -174,7 +174,7 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
 def check_before_start(args) -> None:
     """Checks of the flags that need the file system or the network, before any process starts or any
     data loads, creating nothing: the output directory can be written (or made) and no other run holds
-    it, and --ip resolves."""
+    it, --init-from names a file, and --ip resolves."""
     if not args.output_dir.strip():
         raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
     path = os.path.abspath(args.output_dir)
@@ -191,6 +191,8 @@ def check_before_start(args) -> None:
     check_address(getattr(args, "ip", None))
     if not args.evaluate:
         checkpoint.check_output_dir_free(args.output_dir)  # another run holds it: stop before starting anything
+    if args.init_from and not os.path.isfile(args.init_from):
+        raise UsageError(f"--init-from {args.init_from}: no such file")
 
 
 def per_rank_batch(global_batch: int, world_size: int, accu_steps: int = 1) -> int:
