@@ -193,8 +193,6 @@ def test_a_truncated_newest_checkpoint_costs_one_epoch_and_init_from_starts_a_ne
     assert all(torch.equal(redone["model"][k], t) for k, t in finished["model"].items())
     assert [r["epoch"] for r in read_metrics(first)] == [1, 2]
 
-    longer = run(base + ["--epochs", "3", "--output-dir", str(first)])  # "train it longer" in the same run
-    assert longer.returncode == 2 and "--epochs 2, not 3" in longer.stderr and "--init-from" in longer.stderr
     started = check(run(base + ["--epochs", "1", "--init-from", str(newest), "--output-dir", str(second)]))
     assert f"starting a new run from the weights in {newest}" in started.stdout
     new = load_checkpoint(second)
@@ -229,11 +227,10 @@ def test_a_second_run_on_the_same_output_dir_stops_at_once_and_touches_nothing(t
     try:
         first.wait_for("epoch 1/1 step 1/100")
         files = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-        for kind, script in (("python", "distributed.py"), ("spawn", "distributed_mp.py")):  # refused at start
-            second = run(launcher(kind, script) + long, timeout=120)
-            assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
-            assert f"error: --output-dir {out} is in use by another run (process" in second.stderr
-            assert "distributed_mp.py --nprocs 2" in second.stderr  # who holds it
+        second = run(launcher("spawn", "distributed_mp.py") + long, timeout=120)  # the same job, submitted twice
+        assert second.returncode == 2 and len(second.stderr.strip().splitlines()) == 1, second.stderr
+        assert f"error: --output-dir {out} is in use by another run (process" in second.stderr
+        assert "distributed_mp.py --nprocs 2" in second.stderr  # who holds it
         assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == files  # nothing touched, nothing new
         assert "step 2/100" in first.output or first.wait_for("step 3/100") is None  # the first one goes on
     finally:

@@ -148,6 +148,7 @@ def test_resume_with_other_flags_is_refused(reference, tmp_path):
     shutil.copytree(reference, tmp_path / "out")
     result = run(launcher("python", "distributed.py") + RUN + ["--lr", "0.1", "--output-dir", str(tmp_path / "out")])
     assert result.returncode == 2 and "--lr 0.01" in result.stderr and "--restart" in result.stderr
+    assert "--init-from" in result.stderr  # "train it longer" or fine-tune: a new run from these weights
 
 
 def tiny_checkpoints(tmp_path, model):
