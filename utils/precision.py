@@ -34,7 +34,8 @@ def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1
                        help="apex's names: O0 = float32, O1 = mixed precision (autocast); O2/O3 are gone")
     group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
                        help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
-                            "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower)")
+                            "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower); "
+                            "a resumed run keeps the precision it trained in")
     parser.checks.append(_check_dtype_with_float32)
     if apex_optimizer:
         group.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",
