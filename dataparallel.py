@@ -78,9 +78,9 @@ def train(args, env, stop, gpus) -> int:
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
     techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
+    model = AutocastInForward(model, amp_dtype)  # mixed precision inside each replica (a no-op for float32)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
-    model = AutocastInForward(model, amp_dtype)
     model = nn.DataParallel(model, device_ids=gpus) if gpus else model
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
