@@ -152,12 +152,13 @@ def load(path: str) -> dict:
     return state
 
 
-def load_weights(model: nn.Module, state: dict, path: str) -> None:
+def load_weights(model: nn.Module, weights: dict, source: str) -> None:
+    """The weights into the model inside its wrappers; weights of another model are a UsageError naming `source`."""
     try:
-        unwrap(model).load_state_dict(state["model"])
+        unwrap(model).load_state_dict(weights)
     except RuntimeError as e:
         first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise UsageError(f"{path} holds weights of another architecture ({first[:160]})") from None
+        raise UsageError(f"{source} holds weights of another architecture ({first[:160]})") from None
 
 
 def weights_of(path: str) -> dict:
@@ -316,7 +317,7 @@ class Checkpoint:
 
     def load_weights(self) -> None:
         """For --evaluate: only the model's weights, from a checkpoint of any of the scripts."""
-        load_weights(self.parts["model"], load(self.path), self.path)
+        load_weights(self.parts["model"], load(self.path)["model"], self.path)
 
     def hold_output_dir(self) -> None:
         """Rank 0 takes <output-dir>'s lock for the whole run; if another run holds it, every rank stops
@@ -345,7 +346,7 @@ class Checkpoint:
                 self._start_from_weights(self.args.init_from)
             return 0, 0
         check_same_run(state, self.args, self.script, path)
-        load_weights(self.parts["model"], state, path)
+        load_weights(self.parts["model"], state["model"], path)
         for name, part in self.parts.items():
             if name == "optimizer":
                 load_optimizer(part, state[name])
@@ -362,12 +363,7 @@ class Checkpoint:
         return state["epoch"], state["step"]
 
     def _start_from_weights(self, path: str) -> None:
-        weights = weights_of(path)
-        try:
-            unwrap(self.parts["model"]).load_state_dict(weights)
-        except RuntimeError as e:
-            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-            raise UsageError(f"--init-from {path} holds weights of another model ({first[:160]})") from None
+        load_weights(self.parts["model"], weights_of(path), f"--init-from {path}")
         if self.env.is_main:
             print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
 
