@@ -152,12 +152,13 @@ def ideal(args, amp: str | None) -> dict:
             "peak_memory_mb": max(r["peak_memory_mb"] for r in results)}
 
 
-def matmul_peak(args, dtype: str) -> float:
-    """TFLOP/s of large matrix products on one device (on the CPU: all cores, one process)."""
+def device_peak(args, dtype: str) -> float:
+    """TFLOP/s of one device (on the CPU: all cores, one process): the faster of large matrix products
+    and large convolutions (benchmarks/bare_step.py)."""
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    out = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--matmul-peak", dtype],
+    out = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--peak", dtype],
                          cwd=ROOT, env=threads_env(1), capture_output=True, text=True, check=True).stdout
-    return json.loads(out.strip().splitlines()[-1])["matmul_tflops"]
+    return json.loads(out.strip().splitlines()[-1])["peak_tflops"]
 
 
 def hardware(device: str, nprocs: int) -> str:
@@ -182,7 +183,7 @@ def markdown(results: dict) -> str:
                  f"{k} {v['images_per_s']:.1f} images/s" + (f" (mean of {v['before']:.1f} before the rows and "
                                                             f"{v['after']:.1f} after)" if "after" in v else "")
                  for k, v in meta["ideal"].items()) + ".",
-             "Matrix-product peak of one device: " + ", ".join(
+             "Peak of one device (the faster of large matmuls and convolutions): " + ", ".join(
                  f"{k} {v:.2f} TFLOP/s" for k, v in meta["peak_tflops"].items()) + ".", ""]
     if meta.get("left_out"):
         lines += [meta["left_out"], ""]
@@ -330,11 +331,11 @@ def main(argv=None):
         bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
 
     for amp in dtypes:
-        bar.set_description(f"ideal and matmul peak, {amp or 'float32'}")
+        bar.set_description(f"ideal and peak, {amp or 'float32'}")
         meta["ideal"][amp or "float32"] = ideal(args, amp)
-        meta["peak_tflops"][amp or "float32"] = matmul_peak(args, amp or "float32")
+        meta["peak_tflops"][amp or "float32"] = device_peak(args, amp or "float32")
         done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
-             f"matmul peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
+             f"peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
     results = {"meta": meta, "rows": []}
     for row in selected:
         bar.set_description(row.name)

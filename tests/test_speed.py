@@ -120,7 +120,7 @@ def fake_measurements(monkeypatch, native_bfloat16: bool):
     from benchmarks import run as bench
     monkeypatch.setattr(bench.precision, "cpu_has_native_bfloat16", lambda: native_bfloat16)
     monkeypatch.setattr(bench, "ideal", lambda args, amp: {"images_per_s": 100.0, "peak_memory_mb": 1.0})
-    monkeypatch.setattr(bench, "matmul_peak", lambda args, dtype: 1.0)
+    monkeypatch.setattr(bench, "device_peak", lambda args, dtype: 1.0)
     monkeypatch.setattr(bench, "flops_per_image", lambda: 3.3e9)
     rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
              "DDP + bfloat16 autocast": 100.0}
@@ -151,3 +151,9 @@ def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypa
     said = capsys.readouterr().out
     assert "--quick left out 2 bfloat16 row(s)" in said and "no native bfloat16" in said
     assert "--quick left out" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_the_device_peak_is_the_faster_of_matmuls_and_convolutions():
+    from benchmarks.bare_step import device_peak
+    peak = device_peak(torch.device("cpu"), torch.float32, seconds=0.05)
+    assert peak["peak_tflops"] == max(peak["matmul_tflops"], peak["conv_tflops"]) > 0
