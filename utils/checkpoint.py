@@ -357,7 +357,7 @@ class Checkpoint:
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if self.env.is_main:
+        if self.env.is_main and state["epoch"] < self.args.epochs:  # else the script says nothing is left
             print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
                   f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
