@@ -71,6 +71,7 @@ def train(args, env, stop) -> int:
         checkpoint.load_weights()
         results = metrics.evaluate(model.module, test_loader, env.device)
         metrics.write_eval(args.output_dir, results, env.is_main)
+        stop.finish()
         return 0
     start_epoch, start_step = checkpoint.resume()
     log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,

@@ -6,6 +6,9 @@ is one, the GradScaler, with the epoch and step reached, the flags that define t
 resolved them to (the precision it trained in, the optimizer's implementation). It holds no RNG state
 because none is needed: the data order and the augmentation are functions of (--seed, epoch, index)
 (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
+
+distributed_fsdp.py writes sharded checkpoints instead: directories checkpoint.dcp, checkpoint.1.dcp, ...
+(utils/sharded_checkpoint.py). Finding, locking, checking and keeping them is the same, and lives here.
 """
 import contextlib
 import fcntl
@@ -28,6 +31,8 @@ from utils.errors import Diverged, StorageError, UsageError
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
+SHARDED = "checkpoint.dcp"  # a directory: one file per rank, written with torch.distributed.checkpoint
+HEADER = "run.pt"  # in a sharded checkpoint: everything but the model and optimizer, written by rank 0
 LOCKNAME = "run.lock"
 # The flags that define a run: a checkpoint continues only a run with the same values. The precision is
 # compared as the run resolved it (precision.autocast_dtype), the other flags may change (docs/fault_tolerance.md).
@@ -49,18 +54,25 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def kept_path(output_dir: str, k: int) -> str:
-    """The k-th newest checkpoint: checkpoint.pt, checkpoint.1.pt, checkpoint.2.pt, ..."""
-    return os.path.join(output_dir, FILENAME if k == 0 else f"checkpoint.{k}.pt")
+def is_sharded(args) -> bool:
+    """Whether the script writes sharded checkpoints (flags.add_shared_flags(..., sharded_checkpoints=True))."""
+    return getattr(args, "checkpoint_format", "file") == "sharded"
 
 
-def kept_paths(output_dir: str) -> list[str]:
+def kept_path(output_dir: str, k: int, sharded: bool = False) -> str:
+    """The k-th newest checkpoint: checkpoint.pt, checkpoint.1.pt, checkpoint.2.pt, ... (sharded:
+    checkpoint.dcp, checkpoint.1.dcp, ...)."""
+    suffix = "dcp" if sharded else "pt"
+    return os.path.join(output_dir, f"checkpoint.{suffix}" if k == 0 else f"checkpoint.{k}.{suffix}")
+
+
+def kept_paths(output_dir: str, sharded: bool = False) -> list[str]:
     """The checkpoints in output_dir, newest first."""
-    found = [0] if os.path.exists(kept_path(output_dir, 0)) else []
+    found = [0] if os.path.exists(kept_path(output_dir, 0, sharded)) else []
     if os.path.isdir(output_dir):
-        found += sorted(int(m[1]) for m in map(re.compile(r"checkpoint\.(\d+)\.pt").fullmatch, os.listdir(output_dir))
-                        if m)
-    return [kept_path(output_dir, k) for k in found]
+        pattern = re.compile(r"checkpoint\.(\d+)\.dcp" if sharded else r"checkpoint\.(\d+)\.pt")
+        found += sorted(int(m[1]) for m in map(pattern.fullmatch, os.listdir(output_dir)) if m)
+    return [kept_path(output_dir, k, sharded) for k in found]
 
 
 def _nbytes(obj) -> int:
@@ -140,14 +152,20 @@ def _read(path: str):
 
 
 def load(path: str) -> dict:
-    """A checkpoint as saved; anything unreadable is a UsageError and the file stays as it is."""
+    """A checkpoint as saved; anything unreadable is a UsageError and the file stays as it is. Of a
+    sharded checkpoint (a directory), only its header: the shards are read by every rank, into the model."""
+    sharded = os.path.isdir(path)
+    if sharded:
+        if not os.path.isfile(os.path.join(path, ".metadata")):  # DCP's index of the shards, written last
+            raise Unreadable(f"{path} is not a whole sharded checkpoint (it has no .metadata); it was left untouched")
+        path = os.path.join(path, HEADER)
     if not os.path.isfile(path):
-        raise UsageError(f"no checkpoint at {path}")
+        raise (Unreadable if sharded else UsageError)(f"no checkpoint at {path}")
     try:
         state = _read(path)
     except Unreadable as why:
         raise Unreadable(f"{path} is not a readable checkpoint ({why}); it was left untouched") from None
-    if not isinstance(state, dict) or state.get("arch") != ARCH or "model" not in state:
+    if not isinstance(state, dict) or state.get("arch") != ARCH or ("model" not in state and not sharded):
         raise UsageError(f"{path} is not a {ARCH} checkpoint of these scripts; it was left untouched")
     return state
 
@@ -164,6 +182,9 @@ def load_weights(model: nn.Module, weights: dict, source: str) -> None:
 def weights_of(path: str) -> dict:
     """The model weights in `path` for --init-from: a checkpoint of any of these scripts, or a plain
     state_dict (DDP's "module." and torch.compile's "_orig_mod." prefixes removed)."""
+    if os.path.isdir(path):
+        raise UsageError(f"--init-from {path} is a sharded checkpoint; make it one file with: "
+                         f"python -m utils.sharded_checkpoint {path}")
     if not os.path.isfile(path):
         raise UsageError(f"--init-from {path}: no such file")
     try:
@@ -208,7 +229,7 @@ def newest_readable(args, say=None) -> tuple[str | None, dict | None, list[str]]
     newest one's Unreadable is raised and every file is left as it is."""
     if args.resume:
         return args.resume, load(args.resume), []
-    candidates = kept_paths(args.output_dir) if resuming(args) else []
+    candidates = kept_paths(args.output_dir, is_sharded(args)) if resuming(args) else []
     errors = []
     for path in candidates:
         try:
@@ -244,7 +265,7 @@ def recorded_precision(args) -> tuple[str | None, str | None]:
 def check_before_start(args, script: str) -> None:
     """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable."""
     if args.evaluate:
-        load(os.path.join(args.output_dir, FILENAME))
+        load(kept_path(args.output_dir, 0, is_sharded(args)))
         return
     path, state, _ = newest_readable(args)
     if state is not None:
@@ -295,6 +316,8 @@ def lock_output_dir(output_dir: str) -> int:
     for name in os.listdir(output_dir):
         if re.fullmatch(r"(checkpoint\.pt|metrics\.jsonl)(\.\d+)?\.tmp", name):
             os.remove(os.path.join(output_dir, name))
+        elif name == f"{SHARDED}.tmp":  # a sharded checkpoint whose save did not finish
+            shutil.rmtree(os.path.join(output_dir, name), ignore_errors=True)
     return fd
 
 
@@ -305,7 +328,7 @@ class Checkpoint:
     def __init__(self, args, env, script: str, *, precision: torch.dtype | None = None, **parts):
         self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
         self.precision = str(precision).removeprefix("torch.") if precision else "float32"
-        self.path = os.path.join(args.output_dir, FILENAME)
+        self.path = kept_path(args.output_dir, 0, is_sharded(args))
         self.keep = getattr(args, "keep", 1)
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
         self.lock = None
@@ -317,7 +340,11 @@ class Checkpoint:
 
     def load_weights(self) -> None:
         """For --evaluate: only the model's weights, from a checkpoint of any of the scripts."""
-        load_weights(self.parts["model"], load(self.path)["model"], self.path)
+        self.set_weights(load(self.path)["model"], self.path)
+
+    def set_weights(self, weights: dict, source: str) -> None:
+        """Full weights into the model (whatever wraps it); weights of another model are a UsageError."""
+        load_weights(self.parts["model"], weights, source)
 
     def hold_output_dir(self) -> None:
         """Rank 0 takes <output-dir>'s lock for the whole run; if another run holds it, every rank stops
@@ -346,14 +373,7 @@ class Checkpoint:
                 self._start_from_weights(self.args.init_from)
             return 0, 0
         check_same_run(state, self.args, self.script, path)
-        load_weights(self.parts["model"], state["model"], path)
-        for name, part in self.parts.items():
-            if name == "optimizer":
-                load_optimizer(part, state[name])
-            elif name == "scaler":
-                load_scaler(part, state.get(name, {}), path)
-            elif name != "model" and part is not None:
-                part.load_state_dict(state[name])
+        self.restore(state, path)
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
@@ -362,17 +382,29 @@ class Checkpoint:
                   f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
 
+    def restore(self, state: dict, path: str) -> None:
+        """Every part (model, optimizer, scheduler, scaler) from the checkpoint `state` read from `path`."""
+        self.set_weights(state["model"], path)
+        for name, part in self.parts.items():
+            if name == "optimizer":
+                load_optimizer(part, state[name])
+            elif name == "scaler":
+                load_scaler(part, state.get(name, {}), path)
+            elif name != "model" and part is not None:
+                part.load_state_dict(state[name])
+
     def _start_from_weights(self, path: str) -> None:
-        load_weights(self.parts["model"], weights_of(path), f"--init-from {path}")
+        self.set_weights(weights_of(path), f"--init-from {path}")
         if self.env.is_main:
             print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
 
     def _keep_old_checkpoints(self) -> None:
         """--restart: the old checkpoints are renamed, never silently overwritten."""
-        if self.env.is_main and kept_paths(self.args.output_dir):
+        old = kept_paths(self.args.output_dir, is_sharded(self.args))
+        if self.env.is_main and old:
             stamp = time.strftime("%Y%m%d-%H%M%S")
             others = (os.path.join(self.args.output_dir, name) for name in ("metrics.jsonl", "tensorboard"))
-            for path in (*kept_paths(self.args.output_dir), *others):
+            for path in (*old, *others):
                 if os.path.exists(path):
                     os.replace(path, f"{path}.{stamp}")
             print(f"--restart: starting afresh; the previous checkpoints and metrics are kept as *.{stamp}", flush=True)
@@ -398,23 +430,26 @@ class Checkpoint:
     def state(self, weights: dict, epoch: int, step: int, epoch_loss: tuple[float, float]) -> dict:
         state = {name: (weights if name == "model" else part.state_dict())
                  for name, part in self.parts.items() if part is not None}
+        return {**state, **self.header(epoch, step, epoch_loss)}
+
+    def header(self, epoch: int, step: int, epoch_loss: tuple[float, float]) -> dict:
+        """What a checkpoint records beside its parts: where the run is, its flags and what it resolved."""
         optimizer = self.parts.get("optimizer")
         scaler = self.parts.get("scaler")
-        state.update(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
-                     epoch_loss=list(epoch_loss), run=run_flags(self.args),
-                     resolved={"precision": self.precision, "loss_scaling": bool(scaler and scaler.is_enabled()),
-                               "optimizer": {k: optimizer.param_groups[0].get(k) for k in IMPLEMENTATION_KEYS}
-                               if optimizer else {}},
-                     world_size=self.env.world_size, batch_size=self.args.batch_size)
-        return state
+        return dict(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
+                    epoch_loss=list(epoch_loss), run=run_flags(self.args),
+                    resolved={"precision": self.precision, "loss_scaling": bool(scaler and scaler.is_enabled()),
+                              "optimizer": {k: optimizer.param_groups[0].get(k) for k in IMPLEMENTATION_KEYS}
+                              if optimizer else {}},
+                    world_size=self.env.world_size, batch_size=self.args.batch_size)
 
 
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict) -> None:
+def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict, load=None) -> None:
     """The saved state (momentum buffers, learning rate), with the implementation of the optimizer as built
     now: load_state_dict would bring back the saved foreach/fused settings, and a fused SGD built as not
-    fused would then meet a GradScaler that unscales for it."""
+    fused would then meet a GradScaler that unscales for it. `load`: what loads it (optimizer.load_state_dict)."""
     built = [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
-    optimizer.load_state_dict(saved)
+    (load or optimizer.load_state_dict)(saved)
     for group, implementation in zip(optimizer.param_groups, built, strict=True):
         group.update(implementation)
 

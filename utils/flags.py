@@ -56,9 +56,12 @@ def make_parser(doc: str, script: str) -> Parser:
     )
 
 
-def add_shared_flags(parser: Parser, distributed: bool = True) -> None:
-    """The flags every script has, in groups (after the script's own); `distributed` adds DDP's."""
+def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = False) -> None:
+    """The flags every script has, in groups (after the script's own); `distributed` adds those of a process
+    group and DDP's; `sharded` (FSDP) leaves DDP's out and makes the checkpoints sharded directories."""
     name = os.path.splitext(parser.prog)[0]
+    newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
+    parser.set_defaults(checkpoint_format="sharded" if sharded else "file")
     data = parser.group("data")
     data.add_argument("--data-dir", default="./data",
                       help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
@@ -96,24 +99,24 @@ def add_shared_flags(parser: Parser, distributed: bool = True) -> None:
                            help="process-group backend; auto: nccl on GPU, gloo on CPU")
         procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
                            help="how long a collective waits for a missing rank before the run fails")
-    techniques.add_flags(parser.group("speed techniques"), distributed)
+    techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
     ckpt = parser.group("checkpoints and output")
     ckpt.add_argument("--output-dir", default=os.path.join("runs", name),
-                      help="where metrics.jsonl, checkpoint.pt and eval.json are written")
+                      help=f"where metrics.jsonl, {newest} and eval.json are written")
     ckpt.add_argument("--save-every-steps", type=non_negative_int, default=0, metavar="N",
                       help="also write the checkpoint every N steps within an epoch (0: only at the end of each epoch)")
     ckpt.add_argument("--resume", default=None, metavar="PATH",
-                      help="continue from this checkpoint (default: <output-dir>/checkpoint.pt, when there is one)")
+                      help=f"continue from this checkpoint (default: <output-dir>/{newest}, when there is one)")
     ckpt.add_argument("--restart", action="store_true",
                       help="start afresh although <output-dir> holds a checkpoint; the old ones are kept, renamed")
     ckpt.add_argument("--init-from", default=None, metavar="PATH",
                       help="start a new run from the model weights in PATH (a checkpoint of any of these scripts, "
                            "or a state_dict), with a fresh optimizer and schedule: to train longer, or fine-tune")
     ckpt.add_argument("--keep", type=positive_int, default=2, metavar="N",
-                      help="keep the newest N checkpoints (checkpoint.pt, checkpoint.1.pt, ...); a run whose "
+                      help=f"keep the newest N checkpoints ({newest}, {older}, ...); a run whose "
                            "newest cannot be read continues from the one before")
     ckpt.add_argument("--evaluate", action="store_true",
-                      help="evaluate <output-dir>/checkpoint.pt on the test set, write eval.json, do not train")
+                      help=f"evaluate <output-dir>/{newest} on the test set, write eval.json, do not train")
     ckpt.add_argument("--tensorboard", action="store_true",
                       help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
                            "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
@@ -125,7 +128,7 @@ def _init_from_conflicts(args) -> str | None:
     if args.init_from and args.resume:
         return "--init-from starts a new run and --resume continues one: give one of them"
     if args.init_from and args.evaluate:
-        return "--evaluate tests <output-dir>/checkpoint.pt; --init-from is for training (drop one of them)"
+        return "--evaluate tests <output-dir>'s newest checkpoint; --init-from is for training (drop one of them)"
     return None
 
 
@@ -191,7 +194,7 @@ def check_before_start(args) -> None:
     check_address(getattr(args, "ip", None))
     if not args.evaluate:
         checkpoint.check_output_dir_free(args.output_dir)  # another run holds it: stop before starting anything
-    if args.init_from and not os.path.isfile(args.init_from):
+    if args.init_from and not os.path.exists(args.init_from):
         raise UsageError(f"--init-from {args.init_from}: no such file")
 
 

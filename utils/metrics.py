@@ -1,5 +1,6 @@
 """Exact evaluation over all ranks, and the per-epoch metrics file."""
 import contextlib
+import itertools
 import json
 import os
 import sys
@@ -12,23 +13,35 @@ from utils.errors import StorageError
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None) -> dict | None:
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None,
+             sharded: bool = False) -> dict | None:
     """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size; None when
     a stop signal came (`stop`: utils.stopping.StopSignals, asked once per batch on every rank).
 
     Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
     and DDP's forward would wait on the others at a step they never take. Each rank counts hits and
     the loss sum on its shard; one all-reduce of the counts gives the exact totals (averaging per-batch
-    accuracies across ranks would weight batches, not samples)."""
+    accuracies across ranks would weight batches, not samples).
+
+    sharded=True: a sharded model (FSDP) all-gathers its parameters in every forward, so every rank takes
+    part in as many forwards as the rank with the most batches; a rank whose shard is shorter forwards
+    an empty batch."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
     amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
     batches = iter(loader)
-    for _ in range(_most_batches_of_any_rank(loader, device) if stop else len(loader)):
+    empty = None
+    if sharded:
+        first = next(batches, None)
+        empty = _empty_batch(first, device)
+        batches = itertools.chain([first] if first is not None else [], batches)
+    for _ in range(_most_batches_of_any_rank(loader, device) if stop or sharded else len(loader)):
         if stop and stop.agreed():
             return None
         images, targets = next(batches, (None, None))
-        if images is None:  # this rank's shard is one batch shorter: it still asks about stopping
+        if images is None and sharded:  # this rank's shard is shorter: it still takes part in the all-gathers
+            images, targets = empty
+        elif images is None:  # this rank's shard is one batch shorter: it still asks about stopping
             continue
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
@@ -43,6 +56,14 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
     count = max(count, 1)
     return {"test_loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
             "samples": int(count)}
+
+
+def _empty_batch(first, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of 0 images of the test set's image shape, which a rank with no images learns from the others."""
+    shape = torch.tensor(first[0].shape[1:] if first is not None else [], dtype=torch.long)
+    shape = collectives.all_reduce_max(torch.nn.functional.pad(shape, (0, 8 - len(shape))).to(device))
+    dims = [d for d in shape.tolist() if d]
+    return torch.empty(0, *dims, device=device), torch.empty(0, dtype=torch.long, device=device)
 
 
 def _most_batches_of_any_rank(loader, device: torch.device) -> int:

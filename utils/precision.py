@@ -26,16 +26,23 @@ def opt_level(text: str) -> str:
     return text
 
 
-def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1") -> None:
+def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1", float16: bool = True) -> None:
     """--opt-level and --amp-dtype (and --optimizer with apex's FusedSGD) in a group of their own,
-    checked when the flags are parsed."""
+    checked when the flags are parsed. float16=False: a script without loss scaling (FSDP) offers bfloat16 only."""
     group = parser.group("mixed precision")
     group.add_argument("--opt-level", type=opt_level, default=opt_level_default,
-                       help="apex's names: O0 = float32, O1 = mixed precision (autocast); O2/O3 are gone")
-    group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
-                       help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
-                            "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower); "
-                            "a resumed run keeps the precision it trained in")
+                       help="apex's names: O0 = float32, O1 = mixed precision; O2/O3 are gone")
+    if float16:
+        group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
+                           help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
+                                "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower); "
+                                "a resumed run keeps the precision it trained in")
+    else:
+        group.add_argument("--amp-dtype", choices=["auto", "bfloat16"], default="auto",
+                           help="dtype of the parameters and activations in forward and backward; auto: bfloat16 "
+                                "where the device has it natively (GPUs since Ampere, CPUs with AVX512-BF16 or AMX), "
+                                "else float32; float16 is not offered, as it needs loss scaling across the shards; "
+                                "a resumed run keeps the precision it trained in")
     parser.checks.append(_check_dtype_with_float32)
     if apex_optimizer:
         group.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",
@@ -81,22 +88,23 @@ def cpu_has_native_bfloat16() -> bool:
     return bool(avx512_bf16() or amx())
 
 
-def default_precision(device: torch.device) -> str:
-    """What --amp-dtype auto picks for a new run: float16 on a GPU, bfloat16 on a CPU with native bfloat16
-    instructions, float32 on other CPUs."""
+def default_precision(device: torch.device, float16: bool = True) -> str:
+    """What --amp-dtype auto picks for a new run: float16 on a GPU (bfloat16 where it has it, without
+    `float16`), bfloat16 on a CPU with native bfloat16 instructions, float32 on other CPUs."""
     if device.type == "cuda":
-        return "float16"
+        return "float16" if float16 else "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if cpu_has_native_bfloat16() else "float32"
 
 
-def autocast_dtype(args, device: torch.device, is_main: bool) -> torch.dtype | None:
+def autocast_dtype(args, device: torch.device, is_main: bool, float16: bool = True) -> torch.dtype | None:
     """The dtype autocast runs matrix products and convolutions in, None for float32.
 
     A new run: --opt-level O0 is float32, an explicit --amp-dtype is that dtype, and auto is
     default_precision (rank 0 says in one line when a CPU without native bfloat16 makes it float32).
     A resumed run keeps the precision its checkpoint trained in: auto takes it (said in one line where
     this device alone would pick another), and an explicit other one is refused (UsageError): it would
-    change the arithmetic mid-run."""
+    change the arithmetic mid-run. float16=False: auto never picks float16 (a script without loss scaling)."""
+    default = default_precision(device, float16)
     asked = "float32" if args.opt_level == "O0" else None if args.amp_dtype == "auto" else args.amp_dtype
     trained, path = checkpoint.recorded_precision(args)
     if trained:
@@ -108,14 +116,15 @@ def autocast_dtype(args, device: torch.device, is_main: bool) -> torch.dtype | N
         if trained == "bfloat16" and device.type == "cuda" and not torch.cuda.is_bf16_supported():
             raise UsageError(f"{path} trained in bfloat16, which this GPU does not support; resume it on one that "
                              "does, or start a new run from its weights with --init-from")
-        if asked is None and trained != default_precision(device) and is_main:
+        if asked is None and trained != default and is_main:
             print(f"--amp-dtype auto: continuing in {trained}, the precision {path} trained in (a new run "
-                  f"here would pick {default_precision(device)})", file=sys.stderr, flush=True)
+                  f"here would pick {default})", file=sys.stderr, flush=True)
         return None if trained == "float32" else getattr(torch, trained)
     if asked:
         return None if asked == "float32" else getattr(torch, asked)
-    if default_precision(device) == "float32" and is_main:
-        print("--amp-dtype auto: this CPU has no native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 "
-              "would be slower than float32; training in float32 (--amp-dtype bfloat16 forces it)",
-              file=sys.stderr, flush=True)
-    return None if default_precision(device) == "float32" else getattr(torch, default_precision(device))
+    if default == "float32" and is_main:
+        where = "GPU has no native bfloat16" if device.type == "cuda" else \
+            "CPU has no native bfloat16 instructions (AVX512-BF16 or AMX)"
+        print(f"--amp-dtype auto: this {where}, so bfloat16 would be slower "
+              "than float32; training in float32 (--amp-dtype bfloat16 forces it)", file=sys.stderr, flush=True)
+    return None if default == "float32" else getattr(torch, default)

@@ -103,10 +103,15 @@ class StopSignals:
         return self.exit_status
 
     def finish(self) -> None:
-        """Wait for the all-reduce in flight, before the process group is destroyed."""
+        """Wait for the all-reduce in flight, then for every rank, before the process group is destroyed.
+        Waiting in the barrier frees the GIL for gloo's threads to release the tensors of the collectives
+        they just finished; one still waiting for the GIL when the interpreter exits aborts the process
+        ("terminate called without an active exception", pytorch/pytorch#190489)."""
         if self._work is not None:
             self._work.wait()
             self._work = None
+        if self._group is not None:
+            dist.barrier(group=self._group)
 
     @property
     def name(self) -> str:

@@ -18,8 +18,8 @@ OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 _grad_allreduces = 0  # gradient buckets this process has sent to an all-reduce
 
 
-def add_flags(group, distributed: bool) -> None:
-    """The technique flags, into an argparse group; `distributed` adds those of DDP (DataParallel has none of them)."""
+def add_flags(group, ddp: bool) -> None:
+    """The technique flags, into an argparse group; `ddp` adds DDP's (DataParallel and FSDP have none of them)."""
     add = group.add_argument
     on_off = argparse.BooleanOptionalAction
     add("--channels-last", action=on_off, default=False,
@@ -29,7 +29,7 @@ def add_flags(group, distributed: bool) -> None:
     add("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
         help="how SGD updates the weights: one tensor at a time (for-loop), batched (foreach), one fused "
              "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU)")
-    if not distributed:
+    if not ddp:
         return
     add("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
         help="DDP gradient bucket size: one all-reduce per bucket, started as soon as the bucket is full; "
