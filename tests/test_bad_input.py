@@ -149,7 +149,7 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path):
 
 
 @pytest.mark.parametrize("module", ["distributed", "distributed_mp", "distributed_apex",
-                                    "distributed_gradient_accumulation", "dataparallel"])
+                                    "distributed_gradient_accumulation", "dataparallel", "distributed_fsdp"])
 def test_every_flag_has_help(module, monkeypatch):
     script = importlib.import_module(module)
     parsers = []

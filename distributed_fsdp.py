@@ -1,0 +1,152 @@
+"""Fully sharded data parallel (FSDP2's fully_shard) started by torchrun, ResNet-18 on CIFAR-100.
+
+Each of the N ranks holds 1/N of the weights, gradients and optimizer state.
+
+    torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
+    torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
+    torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
+    python -m utils.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp     # one file of the sharded checkpoint
+
+It trains the model of distributed.py to the same weights (tests/test_fsdp.py); what it changes is what a
+rank holds and what it communicates: docs/sharding.md.
+"""
+import argparse
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.utils.data import DistributedSampler
+
+from utils import data, flags, launch, metrics, models, precision, stopping, techniques
+from utils.errors import exit_on_error
+from utils.progress import EpochProgress
+from utils.sharded_checkpoint import ShardedCheckpoint
+from utils.syncbn import CpuSyncBatchNorm
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    parser.group("sharding").add_argument(
+        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+        help="free each stage's gathered weights after its forward and gather them again for backward (least "
+             "memory, like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather "
+             "fewer per stage and step, like ZeRO-2)")
+    precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
+    flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
+    flags.add_shared_flags(parser, sharded=True)
+    return flags.parse(parser, argv)
+
+
+def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint):
+    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
+    model.train()
+    for images, targets in progress:
+        images = images.to(env.device, non_blocking=True)
+        targets = targets.to(env.device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()  # FSDP reduce-scatters the gradients, stage by stage: each rank gets the average of its shard
+        optimizer.step()  # each rank updates its shard of the weights, with its shard of the momentum
+        progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
+        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+            return
+        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
+            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+
+
+def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward: bool) -> nn.Module:
+    """The model with 1/world_size of each parameter on each rank, as DTensors (every rank built the same
+    weights from the same seed; fully_shard keeps its share of dim 0)."""
+    # Mixed precision the FSDP way: forward and backward run on amp_dtype copies of the weights (gathered in
+    # amp_dtype, half the bytes of float32); gradients are reduced in float32 into the float32 shards that
+    # the optimizer updates. No autocast: each sharded module's inputs are cast, the logits cast back.
+    policy = dict(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)
+    if amp_dtype:  # BatchNorm stays float32, as under autocast (its statistics are float32): a unit of its own
+        for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+            fully_shard(norm, reshard_after_forward=False)  # float32 policy; a few KB each, kept gathered
+    # Each residual stage is one unit: all-gathered just before its forward, freed after it (with
+    # reshard_after_forward), gathered again for its backward, its gradients then reduce-scattered.
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        fully_shard(stage, mp_policy=MixedPrecisionPolicy(**policy), reshard_after_forward=reshard_after_forward)
+    # the root unit holds the rest (stem, fc), and gives the logits back in float32 for the loss
+    root = MixedPrecisionPolicy(**policy, output_dtype=torch.float32 if amp_dtype else None)
+    return fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
+
+
+def train(args, env, stop) -> int:
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, float16=False)  # None: float32
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
+    # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
+    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
+    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
+    if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
+        sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
+        model = sync_bn.convert_sync_batchnorm(model)
+    model = shard(model, amp_dtype, args.reshard_after_forward)
+    techniques.compile_if_asked(model, args)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)  # over the shards: each rank steps its own
+    # each rank writes and reads its own shard of the weights and optimizer (torch.distributed.checkpoint)
+    checkpoint = ShardedCheckpoint(args, env, __file__, precision=amp_dtype, model=model, optimizer=optimizer,
+                                   scheduler=scheduler)
+
+    if args.evaluate:
+        checkpoint.load_weights()
+        results = metrics.evaluate(model, test_loader, env.device, sharded=True)
+        metrics.write_eval(args.output_dir, results, env.is_main)
+        stop.finish()
+        return 0
+    start_epoch, start_step = checkpoint.resume()
+    log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,
+                             steps_per_epoch=train_loader.steps)  # metrics.jsonl, and TensorBoard's events
+    if start_epoch == args.epochs and env.is_main:
+        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
+    for epoch in range(start_epoch, args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
+        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
+                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
+        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint)
+        if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+        # every rank forwards as many batches (each forward all-gathers); None if a stop signal comes during it
+        results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop, sharded=True)
+        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
+            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
+                                           path=checkpoint.path, is_main=env.is_main)
+        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
+                   "world_size": env.world_size})
+        scheduler.step()
+        checkpoint.save(epoch=epoch + 1)
+        start_step = 0
+    stop.finish()
+    return 0
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    stop = stopping.StopSignals(watch_launcher=launch.has_torchrun_agent())  # SIGTERM, Ctrl-C, SIGUSR1
+    with exit_on_error():
+        flags.check_before_start(args)
+        env = launch.this_process(args)  # rank, world size, device and meeting point, from torchrun's environment
+        # join the process group: every rank waits here until all env.world_size processes have joined
+        dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
+                                timeout=env.timeout)
+        stop.arm(env.world_size)
+        try:
+            status = train(args, env, stop)
+        finally:
+            dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

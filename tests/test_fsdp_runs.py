@@ -1,0 +1,149 @@
+"""distributed_fsdp.py through torchrun: a stop signal, a rank killed in the middle of a save, a diverging
+run, bad input, and its sharded checkpoint made one file and evaluated exactly by the other scripts."""
+import json
+import os
+import signal
+import time
+
+import pytest
+import torch
+from conftest import check, launcher, read_metrics, run
+from processes import Run, rank_process
+
+from utils import checkpoint, sharded_checkpoint
+from utils.sharded_checkpoint import to_single_file
+
+# One epoch of 6 steps of a global batch of 16 in float32 (reproducible to the bit at one world size), a
+# test set that 3 ranks split 6/5/5.
+RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
+       "--epochs", "1", "--lr", "0.01", "--print-freq", "1", "--workers", "0", "--opt-level", "O0"]
+
+
+def weights(sharded_dir) -> dict:
+    """The full weights of a sharded checkpoint, read in this process (no process group)."""
+    plain = sharded_dir.parent / f"{sharded_dir.name}.pt"
+    if not plain.exists():
+        to_single_file(str(sharded_dir), str(plain))
+    return torch.load(plain, weights_only=True)["model"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The run never stopped, on 2 ranks."""
+    out = tmp_path_factory.mktemp("fsdp-never-stopped")
+    check(run(launcher("torchrun", "distributed_fsdp.py") + RUN + ["--output-dir", str(out)]))
+    return out
+
+
+def assert_continues_to_the_reference(cmd, out, reference, step):
+    again = check(run(cmd))
+    assert f"resuming from {out / 'checkpoint.dcp'}: epoch 1, step {step}" in again.stdout, again.stdout
+    assert not (out / "checkpoint.dcp.tmp").exists()  # the unfinished save is gone
+    expected, got = weights(reference / "checkpoint.dcp"), weights(out / "checkpoint.dcp")
+    for key, tensor in expected.items():
+        assert torch.equal(got[key], tensor), key
+
+
+@pytest.mark.slow
+def test_a_stop_signal_saves_every_shard_and_the_same_command_continues(reference, tmp_path):
+    cmd = launcher("torchrun", "distributed_fsdp.py") + RUN + ["--output-dir", str(tmp_path)]
+    started = Run(cmd)
+    started.wait_for("epoch 1/1 step 2/6")
+    os.kill(started.proc.pid, signal.SIGTERM)
+    status, seconds = started.finish()
+    assert status != 0 and seconds < 30, started.output
+    (line,) = [x for x in started.output.splitlines() if x.startswith("stopped by SIGTERM at epoch 1, step")]
+    step = checkpoint.load(str(tmp_path / "checkpoint.dcp"))["step"]
+    assert f"step {step}/6:" in line and 2 <= step < 6
+    assert_continues_to_the_reference(cmd, tmp_path, reference, step)
+
+
+@pytest.mark.slow
+def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(reference, tmp_path):
+    cmd = launcher("torchrun", "distributed_fsdp.py") + RUN + ["--save-every-steps", "1", "--output-dir", str(tmp_path)]
+    started = Run(cmd)
+    newest, unfinished = tmp_path / "checkpoint.dcp", tmp_path / "checkpoint.dcp.tmp"
+    deadline = time.monotonic() + 240
+    while not newest.exists():  # the first save done: from now on there is a checkpoint to keep
+        assert time.monotonic() < deadline and started.proc.poll() is None, started.output
+        time.sleep(0.001)
+    while not unfinished.exists():  # the next save has begun
+        assert time.monotonic() < deadline and started.proc.poll() is None, started.output
+        time.sleep(0.001)
+    rank1 = rank_process(started.proc.pid, rank=1)
+    os.kill(rank1, signal.SIGSTOP)  # frozen wherever it is in the save: rank 0 cannot finish it without it
+    saved = checkpoint.load(str(newest))["step"]
+    time.sleep(1)
+    assert checkpoint.load(str(newest))["step"] == saved  # no rank renamed a half-written checkpoint
+    os.kill(rank1, signal.SIGKILL)
+    status, _ = started.finish()
+    assert status != 0
+    assert unfinished.exists() and checkpoint.load(str(newest))["step"] == saved < 6
+    assert_continues_to_the_reference(cmd, tmp_path, reference, saved)
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_made_one_file_evaluates_exactly_in_other_scripts_and_world_sizes(reference, tmp_path,
+                                                                                               capsys):
+    trained = read_metrics(reference)[-1]
+    command = [str(reference / "checkpoint.dcp"), str(tmp_path / "checkpoint.pt")]  # python -m utils.sharded_checkpoint
+    with pytest.raises(SystemExit) as exited:
+        sharded_checkpoint.main(command)
+    assert exited.value.code == 0 and "epoch 1, step 0 of a 2-process run" in capsys.readouterr().out
+    one_file = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert one_file["model"]["conv1.weight"].shape == (64, 3, 3, 3)  # whole, not a shard
+    before = (tmp_path / "checkpoint.pt").read_bytes()
+    with pytest.raises(SystemExit) as exited:
+        sharded_checkpoint.main(command)
+    assert exited.value.code == 2 and "exists" in capsys.readouterr().err
+    assert (tmp_path / "checkpoint.pt").read_bytes() == before  # not overwritten
+    evaluations = {
+        "distributed.py, 3 ranks, the one file": (launcher("torchrun", "distributed.py", 3), tmp_path),
+        "distributed_fsdp.py, 3 ranks, the 2 shards": (launcher("torchrun", "distributed_fsdp.py", 3), reference),
+    }
+    results = {}
+    for name, (cmd, directory) in evaluations.items():
+        flags = RUN if "fsdp" in name else [f for f in RUN if f not in ("--opt-level", "O0")]  # float32 both
+        check(run(cmd + flags + ["--batch-size", "12", "--evaluate", "--output-dir", str(directory)]))  # 3 ranks
+        results[name] = result = json.loads((directory / "eval.json").read_text())
+        assert result["samples"] == 16, name  # every test image once
+        for key in ("top1", "top5"):
+            assert result[key] == trained[key], (name, key)
+        # the training run summed batches of 8 on 2 ranks, these batches of 4 on 3
+        assert result["test_loss"] == pytest.approx(trained["test_loss"], rel=1e-6), name
+    one_file, shards = results.values()  # the same weights and batches: the same sums
+    assert one_file["test_loss"] == shards["test_loss"]
+
+
+@pytest.mark.slow
+def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_finite_shards(tmp_path):
+    result = run(launcher("torchrun", "distributed_fsdp.py") + RUN + [
+        "--lr", "1e8", "--save-every-steps", "1", "--print-freq", "100", "--output-dir", str(tmp_path)])
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if "error:" in line and "diverged" in line]
+    assert len(errors) == 1 and "--lr than 1e+08" in errors[0], result.stderr
+    assert "[rank" not in result.stderr  # no traceback from any rank
+    assert 1 <= checkpoint.load(str(tmp_path / "checkpoint.dcp"))["step"] < 6
+    assert all(torch.isfinite(t).all() for t in weights(tmp_path / "checkpoint.dcp").values() if t.is_floating_point())
+
+
+@pytest.mark.parametrize(("argv", "says"), [
+    (["--amp-dtype", "float16"], "invalid choice: 'float16'"),
+    (["--comm-hook", "fp16"], "unrecognized arguments: --comm-hook"),
+    (["--opt-level", "O0", "--amp-dtype", "bfloat16"], "needs mixed precision"),
+])
+def test_bad_flags_are_one_line(argv, says, capsys):
+    import distributed_fsdp
+    with pytest.raises(SystemExit) as exited:
+        distributed_fsdp.parse_args(argv)
+    said = capsys.readouterr().err
+    assert exited.value.code == 2 and said.count("\n") == 1 and says in said, said
+
+
+@pytest.mark.slow
+def test_a_single_file_checkpoint_to_resume_is_one_line(reference, tmp_path):
+    weights(reference / "checkpoint.dcp")  # made one file: checkpoint.dcp.pt
+    result = run(launcher("python", "distributed_fsdp.py") + RUN + [
+        "--resume", str(reference / "checkpoint.dcp.pt"), "--output-dir", str(tmp_path)])
+    assert result.returncode == 2 and "distributed_fsdp.py continues from a sharded one" in result.stderr, result.stderr
+    assert result.stderr.count("error:") == 1

@@ -1,0 +1,226 @@
+"""Sharded checkpoints of distributed_fsdp.py, with torch.distributed.checkpoint (DCP): each rank writes its
+own shard of the weights and optimizer state, in parallel, and a later run reads them back at any world
+size (DCP reshards on load). A checkpoint is a directory:
+
+    checkpoint.dcp/__0_0.distcp, __1_0.distcp, ...   each rank's shard
+    checkpoint.dcp/.metadata                         DCP's index of the shards, written once all are whole
+    checkpoint.dcp/run.pt                            the header: epoch, step, flags, scheduler (rank 0)
+
+It is written as checkpoint.dcp.tmp and renamed when whole, the older ones moving down (checkpoint.1.dcp,
+...), so a crash or a killed rank during a save leaves the previous checkpoint as it was.
+
+    python -m utils.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp [OUT.pt]
+
+makes one plain checkpoint file of it (default: checkpoint.pt beside it), which --evaluate and --init-from
+of every script read.
+"""
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import CheckpointException
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from utils import checkpoint, collectives
+from utils.checkpoint import HEADER, Checkpoint, kept_path, load, load_optimizer
+from utils.errors import Diverged, StorageError, UsageError, exit_on_error
+
+FULL = StateDictOptions(full_state_dict=True)  # plain tensors keyed as the unsharded model's state_dict
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _nbytes(state: dict) -> int:
+    """Bytes this rank holds of a (nested) state dict: its shards' only."""
+    total = 0
+    for value in state.values():
+        if isinstance(value, dict):
+            total += _nbytes(value)
+        elif isinstance(value, torch.Tensor):
+            total += _local(value).numel() * value.element_size()
+    return total
+
+
+def _fsync_tree(path: str) -> None:
+    for name in os.listdir(path):
+        fd = os.open(os.path.join(path, name), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def rotate_in(tmp: str, newest: str, keep: int) -> None:
+    """The whole sharded checkpoint `tmp` becomes `newest`, the kept ones moving down one and the one past
+    `keep` removed; at every moment checkpoint.dcp or checkpoint.1.dcp is a whole checkpoint."""
+    directory = os.path.dirname(newest)
+    slots = [kept_path(directory, k, sharded=True) for k in range(max(keep, 2) + 1)]
+    for k in range(len(slots) - 1, 0, -1):  # the oldest first, so that no rename meets a directory
+        if os.path.exists(slots[k - 1]):
+            if os.path.exists(slots[k]):
+                shutil.rmtree(slots[k])
+            os.replace(slots[k - 1], slots[k])
+    os.replace(tmp, newest)
+    for extra in checkpoint.kept_paths(directory, sharded=True)[keep:]:  # keep=1 and --keep lowered since
+        shutil.rmtree(extra)
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)  # make the renames themselves durable
+    finally:
+        os.close(fd)
+
+
+class ShardedCheckpoint(Checkpoint):
+    """Checkpoint's behaviour (lock, resume, --init-from, --keep, --restart, divergence and storage errors)
+    with sharded checkpoints: every rank saves and loads its own shard of the model and optimizer."""
+
+    def state_dicts(self) -> dict:
+        """The model's and optimizer's state as this rank's shards (DTensors), keyed by parameter name."""
+        model, optimizer = self.parts["model"], self.parts["optimizer"]
+        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+    def set_weights(self, weights: dict, source: str) -> None:
+        """Full (unsharded) weights: each rank keeps its shard of them."""
+        try:
+            set_model_state_dict(self.parts["model"], weights, options=FULL)
+        except (RuntimeError, KeyError, ValueError) as e:
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"{source} holds weights of another architecture ({first[:160]})") from None
+
+    def load_weights(self) -> None:
+        """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard."""
+        load(self.path)
+        model = self.parts["model"]
+        weights = get_model_state_dict(model)
+        self._read_shards({"model": weights}, self.path)
+        set_model_state_dict(model, weights)
+
+    def _read_shards(self, state: dict, path: str) -> None:
+        try:
+            dcp.load(state, checkpoint_id=path)
+        except (CheckpointException, RuntimeError, KeyError, ValueError, OSError) as e:
+            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            raise UsageError(f"{path}: its shards could not be read into this model ({reason})") from None
+
+    def restore(self, state: dict, path: str) -> None:
+        """The model and optimizer from the shards in `path`, resharded to this world size; the scheduler
+        from its header `state`."""
+        if "model" in state:
+            raise UsageError(f"{path} is a single-file checkpoint; distributed_fsdp.py continues from a sharded "
+                             "one (a directory), or starts a new run from these weights with --init-from")
+        model, optimizer = self.parts["model"], self.parts["optimizer"]
+        shards = self.state_dicts()
+        self._read_shards(shards, path)
+        set_model_state_dict(model, shards["model"])
+        load_optimizer(optimizer, shards["optimizer"],
+                       load=lambda saved: set_optimizer_state_dict(model, optimizer, saved))
+        for name, part in self.parts.items():
+            if name not in ("model", "optimizer") and part is not None:
+                part.load_state_dict(state[name])
+
+    def _start_from_weights(self, path: str) -> None:
+        if not os.path.isdir(path):
+            return super()._start_from_weights(path)
+        load(path)
+        model = self.parts["model"]
+        weights = get_model_state_dict(model)
+        self._read_shards({"model": weights}, f"--init-from {path}")
+        set_model_state_dict(model, weights)
+        if self.env.is_main:
+            print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
+
+    def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
+        """Every rank writes its shard into checkpoint.dcp.tmp, rank 0 the header, then rank 0 renames it
+        to checkpoint.dcp. Weights that are not finite on any rank raise Diverged on every rank and
+        overwrite nothing; a failed write on any rank raises StorageError on every rank."""
+        for buffer in self.parts["model"].buffers():  # not sharded: DCP writes one rank's copy, so make it rank 0's
+            torch.distributed.broadcast(buffer, src=0)
+        shards = self.state_dicts()
+        floats = [_local(t) for t in shards["model"].values() if t.is_floating_point()]
+        finite = bool(torch.stack([torch.isfinite(t).all() for t in floats]).all().item())
+        if not collectives.all_ok(finite, self.env.device):
+            raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
+                           f"diverged; try a lower --lr than {self.args.lr:g}. {self.path} was not overwritten")
+        tmp = f"{self.path}.tmp"
+        error = None
+        try:
+            dcp.save(shards, checkpoint_id=tmp)  # each rank its own file; rank 0 then writes .metadata
+        except CheckpointException as e:  # raised on every rank when any rank's write failed
+            error = e
+        if error is None and self.env.is_main:
+            try:
+                header = self.header(epoch, step, epoch_loss)
+                header.update({name: part.state_dict() for name, part in self.parts.items()
+                               if name not in ("model", "optimizer") and part is not None})
+                torch.save(header, os.path.join(tmp, HEADER))
+                _fsync_tree(tmp)
+                rotate_in(tmp, self.path, self.keep)
+            except OSError as e:
+                error = e
+        if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint
+            if self.env.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise self._storage_error(error, shards)
+
+    def _storage_error(self, error, shards: dict) -> StorageError:
+        directory = self.args.output_dir
+        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+        newest = checkpoint.kept_paths(directory, sharded=True)
+        intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
+        reason = "another rank's write failed" if error is None else (
+            getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:160])
+        return StorageError(f"could not write {self.path} ({reason}; this rank's shard needs about "
+                            f"{_nbytes(shards) / 2**20:.0f} MB, {free / 2**20:.0f} MB are free there); {intact}")
+
+
+def to_single_file(sharded: str, out: str) -> dict:
+    """The sharded checkpoint `sharded` as one plain checkpoint file `out` (written atomically): the full
+    weights under "model", the optimizer state keyed by parameter name, and the header. Returns it."""
+    header = load(sharded)
+    with tempfile.TemporaryDirectory(dir=os.path.dirname(os.path.abspath(out))) as scratch:
+        plain = os.path.join(scratch, "plain.pt")
+        dcp_to_torch_save(sharded, plain)  # torch's own conversion: every shard, in one process
+        state = torch.load(plain, map_location="cpu", weights_only=True)
+    state = {**header, "model": state["model"], "optimizer": state["optimizer"], "converted_from": sharded}
+    checkpoint.save_atomic(state, out)
+    return state
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m utils.sharded_checkpoint",
+                                     description="Make one plain checkpoint file of a sharded checkpoint of "
+                                                 "distributed_fsdp.py, for --evaluate and --init-from of any script.")
+    parser.add_argument("sharded", help="a sharded checkpoint directory, e.g. runs/distributed_fsdp/checkpoint.dcp")
+    parser.add_argument("out", nargs="?", help="the file to write (default: checkpoint.pt beside the directory); "
+                                               "an existing file is not overwritten")
+    args = parser.parse_args(argv)
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.sharded)), checkpoint.FILENAME)
+    with exit_on_error():
+        if not os.path.isdir(args.sharded):
+            raise UsageError(f"{args.sharded} is not a sharded checkpoint directory")
+        if os.path.exists(out):
+            raise UsageError(f"{out} exists; name another file, or remove it first")
+        if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
+            raise UsageError(f"{os.path.dirname(out)}: no such directory")
+        state = to_single_file(args.sharded, out)
+        print(f"wrote {out}: epoch {state['epoch']}, step {state['step']} of a {state['world_size']}-process run "
+              f"(python distributed.py --evaluate --output-dir {os.path.dirname(out) or '.'} tests it)")
+    sys.exit(0)
+
+
+if __name__ == "__main__":
+    main()
