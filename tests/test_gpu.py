@@ -22,6 +22,22 @@ def test_nccl_run_under_torchrun(script, tmp_path):
     assert record["world_size"] == nprocs and record["samples"] == 21
 
 
+@needs_gpu
+def test_fsdp_under_torchrun_trains_in_its_bfloat16_policy_and_its_shards_evaluate(tmp_path):
+    from utils import checkpoint
+    nprocs = min(GPUS, 2)
+    gpus = ",".join(map(str, range(nprocs)))
+    check(run(launcher("torchrun", "distributed_fsdp.py", nprocs) + TINY + ["--device", "cuda", "--output-dir",
+                                                                             str(tmp_path)], CUDA_VISIBLE_DEVICES=gpus))
+    (record,) = read_metrics(tmp_path)
+    assert record["world_size"] == nprocs and record["samples"] == 21
+    header = checkpoint.load(str(tmp_path / "checkpoint.dcp"))
+    assert header["resolved"]["precision"] == ("bfloat16" if torch.cuda.is_bf16_supported() else "float32")
+    check(run(launcher("torchrun", "distributed_fsdp.py", 1) + TINY + ["--device", "cuda", "--evaluate",
+                                                                        "--output-dir", str(tmp_path)],
+              CUDA_VISIBLE_DEVICES="0"))
+
+
 def both_layers_on_rank(rank, world_size):
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(8, 4, 5, 5, generator=g) * 2 + 1)[rank::world_size].cuda()
