@@ -45,41 +45,34 @@ def assert_continues_to_the_reference(cmd, out, reference, step):
 
 
 @pytest.mark.slow
-def test_a_stop_signal_saves_every_shard_and_the_same_command_continues(reference, tmp_path):
-    cmd = launcher("torchrun", "distributed_fsdp.py") + RUN + ["--output-dir", str(tmp_path)]
+def test_a_stop_signal_then_a_rank_killed_mid_save_and_the_same_command_continues_to_the_bit(reference, tmp_path):
+    """A stop signal: every rank saves its shard at one step. The same command continues from there; rank 1,
+    frozen and then killed in the middle of its next save, leaves that checkpoint as it was. The same
+    command again ends with the weights of the run never stopped."""
+    cmd = launcher("torchrun", "distributed_fsdp.py") + RUN + ["--save-every-steps", "1", "--output-dir", str(tmp_path)]
+    newest, unfinished = tmp_path / "checkpoint.dcp", tmp_path / "checkpoint.dcp.tmp"
     started = Run(cmd)
     started.wait_for("epoch 1/1 step 2/6")
     os.kill(started.proc.pid, signal.SIGTERM)
     status, seconds = started.finish()
     assert status != 0 and seconds < 30, started.output
     (line,) = [x for x in started.output.splitlines() if x.startswith("stopped by SIGTERM at epoch 1, step")]
-    step = checkpoint.load(str(tmp_path / "checkpoint.dcp"))["step"]
-    assert f"step {step}/6:" in line and 2 <= step < 6
-    assert_continues_to_the_reference(cmd, tmp_path, reference, step)
+    stopped = checkpoint.load(str(newest))["step"]
+    assert f"step {stopped}/6:" in line and 2 <= stopped < 5 and not unfinished.exists()
 
-
-@pytest.mark.slow
-def test_a_rank_killed_in_the_middle_of_a_save_leaves_the_previous_checkpoint(reference, tmp_path):
-    cmd = launcher("torchrun", "distributed_fsdp.py") + RUN + ["--save-every-steps", "1", "--output-dir", str(tmp_path)]
-    started = Run(cmd)
-    newest, unfinished = tmp_path / "checkpoint.dcp", tmp_path / "checkpoint.dcp.tmp"
+    continued = Run(cmd)
     deadline = time.monotonic() + 240
-    while not newest.exists():  # the first save done: from now on there is a checkpoint to keep
-        assert time.monotonic() < deadline and started.proc.poll() is None, started.output
+    while not unfinished.exists():  # its first save has begun
+        assert time.monotonic() < deadline and continued.proc.poll() is None, continued.output
         time.sleep(0.001)
-    while not unfinished.exists():  # the next save has begun
-        assert time.monotonic() < deadline and started.proc.poll() is None, started.output
-        time.sleep(0.001)
-    rank1 = rank_process(started.proc.pid, rank=1)
+    rank1 = rank_process(continued.proc.pid, rank=1)
     os.kill(rank1, signal.SIGSTOP)  # frozen wherever it is in the save: rank 0 cannot finish it without it
-    saved = checkpoint.load(str(newest))["step"]
     time.sleep(1)
-    assert checkpoint.load(str(newest))["step"] == saved  # no rank renamed a half-written checkpoint
+    assert checkpoint.load(str(newest))["step"] == stopped  # no rank renamed a half-written checkpoint
     os.kill(rank1, signal.SIGKILL)
-    status, _ = started.finish()
-    assert status != 0
-    assert unfinished.exists() and checkpoint.load(str(newest))["step"] == saved < 6
-    assert_continues_to_the_reference(cmd, tmp_path, reference, saved)
+    assert continued.finish()[0] != 0
+    assert unfinished.exists() and checkpoint.load(str(newest))["step"] == stopped
+    assert_continues_to_the_reference(cmd, tmp_path, reference, stopped)
 
 
 @pytest.mark.slow
@@ -98,31 +91,29 @@ def test_a_sharded_checkpoint_made_one_file_evaluates_exactly_in_other_scripts_a
     assert exited.value.code == 2 and "exists" in capsys.readouterr().err
     assert (tmp_path / "checkpoint.pt").read_bytes() == before  # not overwritten
     evaluations = {
-        "distributed.py, 3 ranks, the one file": (launcher("torchrun", "distributed.py", 3), tmp_path),
+        "distributed.py, 1 process, the one file": (launcher("python", "distributed.py"), tmp_path),
         "distributed_fsdp.py, 3 ranks, the 2 shards": (launcher("torchrun", "distributed_fsdp.py", 3), reference),
     }
     results = {}
     for name, (cmd, directory) in evaluations.items():
         flags = RUN if "fsdp" in name else [f for f in RUN if f not in ("--opt-level", "O0")]  # float32 both
-        check(run(cmd + flags + ["--batch-size", "12", "--evaluate", "--output-dir", str(directory)]))  # 3 ranks
+        check(run(cmd + flags + ["--batch-size", "12", "--evaluate", "--output-dir", str(directory)]))  # 3 divide it
         results[name] = result = json.loads((directory / "eval.json").read_text())
         assert result["samples"] == 16, name  # every test image once
         for key in ("top1", "top5"):
             assert result[key] == trained[key], (name, key)
-        # the training run summed batches of 8 on 2 ranks, these batches of 4 on 3
+        # the training run summed batches of 8 on 2 ranks; these, batches of 12 on one and of 4 on 3
         assert result["test_loss"] == pytest.approx(trained["test_loss"], rel=1e-6), name
-    one_file, shards = results.values()  # the same weights and batches: the same sums
-    assert one_file["test_loss"] == shards["test_loss"]
 
 
 @pytest.mark.slow
 def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_finite_shards(tmp_path):
-    result = run(launcher("torchrun", "distributed_fsdp.py") + RUN + [
+    result = run(launcher("python", "distributed_fsdp.py") + RUN + [
         "--lr", "1e8", "--save-every-steps", "1", "--print-freq", "100", "--output-dir", str(tmp_path)])
-    assert result.returncode != 0
+    assert result.returncode == 1
     errors = [line for line in result.stderr.splitlines() if "error:" in line and "diverged" in line]
     assert len(errors) == 1 and "--lr than 1e+08" in errors[0], result.stderr
-    assert "[rank" not in result.stderr  # no traceback from any rank
+    assert "Traceback" not in result.stderr
     assert 1 <= checkpoint.load(str(tmp_path / "checkpoint.dcp"))["step"] < 6
     assert all(torch.isfinite(t).all() for t in weights(tmp_path / "checkpoint.dcp").values() if t.is_floating_point())
 
