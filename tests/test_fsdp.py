@@ -22,7 +22,7 @@ from utils.sharded_checkpoint import ShardedCheckpoint
 from utils.syncbn import CpuSyncBatchNorm
 
 STEPS, GLOBAL_BATCH = 3, 12
-SIDE = 16  # 16x16 images: float64 convolutions are slow, and the question is the same at any size
+SIDE = 8  # 8x8 images: float64 convolutions are slow, and the question is the same at any size
 
 
 def batches(steps=STEPS):

@@ -103,6 +103,15 @@ class _WritesRemembered:
         self.f.flush()
 
 
+def fsync(path: str) -> None:
+    """Flush a file, or a directory's entries (renames, new files), to the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_atomic(state: dict, path: str, keep: int = 1) -> None:
     """Write to a temporary file of this process, flush it to disk, then rename it to `path`, the older
     checkpoints moving down one (checkpoint.pt -> checkpoint.1.pt ...) and the one past `keep` removed: a
@@ -125,11 +134,7 @@ def save_atomic(state: dict, path: str, keep: int = 1) -> None:
         os.replace(tmp, path)
         for extra in kept_paths(directory)[keep:]:  # --keep lowered since the last run
             os.remove(extra)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # make the renames themselves durable
-        finally:
-            os.close(fd)
+        fsync(directory)  # make the renames themselves durable
     except OSError as error:
         free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
         newest = kept_paths(directory)

@@ -57,11 +57,8 @@ def _nbytes(state: dict) -> int:
 
 def _fsync_tree(path: str) -> None:
     for name in os.listdir(path):
-        fd = os.open(os.path.join(path, name), os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        checkpoint.fsync(os.path.join(path, name))
+    checkpoint.fsync(path)
 
 
 def rotate_in(tmp: str, newest: str, keep: int) -> None:
@@ -77,11 +74,7 @@ def rotate_in(tmp: str, newest: str, keep: int) -> None:
     os.replace(tmp, newest)
     for extra in checkpoint.kept_paths(directory, sharded=True)[keep:]:  # keep=1 and --keep lowered since
         shutil.rmtree(extra)
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)  # make the renames themselves durable
-    finally:
-        os.close(fd)
+    checkpoint.fsync(directory)  # make the renames themselves durable
 
 
 class ShardedCheckpoint(Checkpoint):
