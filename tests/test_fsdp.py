@@ -4,18 +4,22 @@ any world size.
 The equality is proven in float64 with the real model, CpuSyncBatchNorm, the script's own shard() and
 train_one_epoch, and SGD with its cosine schedule; float32 cannot settle it (tests/test_ddp_equivalence.py).
 """
+import errno
 import os
 from types import SimpleNamespace
 
 import pytest
 import torch
+import torch.distributed as dist
 from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
-from utils import models
+from utils import checkpoint, models
+from utils.errors import StorageError
 from utils.launch import Env
 from utils.progress import EpochProgress
 from utils.sharded_checkpoint import ShardedCheckpoint
@@ -106,6 +110,7 @@ def float64_runs(tmp_path_factory):
         1: on_ranks(1, continue_sharded, str(out / "run"), True, results_dir=out / "1"), "dir": out / "run"}
 
 
+@pytest.mark.slow  # processes on 2 and 3 ranks, float64
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_fsdp_trains_the_weights_of_ddp(world_size, float64_runs):
     ranks = float64_runs[world_size]
@@ -122,6 +127,7 @@ def test_fsdp_trains_the_weights_of_ddp(world_size, float64_runs):
             torch.testing.assert_close(buffer, ddp[key], rtol=1e-12, atol=1e-14, msg=key)
 
 
+@pytest.mark.slow  # processes on 2 and 3 ranks, float64
 def test_a_sharded_checkpoint_continues_the_run_at_another_world_size(float64_runs):
     """One step on 2 ranks, the next on 3, the last on 1, each resumed from the sharded checkpoint of the
     one before, mid-epoch: the weights of the run on 2 ranks that was never interrupted."""
@@ -154,8 +160,41 @@ def mixed_precision_dtypes():
             "master": model.layer1[0].conv1.weight.dtype}
 
 
+@pytest.mark.slow  # processes on 2 and 3 ranks, float64
 def test_the_bfloat16_policy_computes_in_bfloat16_and_keeps_float32_weights_and_gradients(float64_runs):
     (one,) = float64_runs[1]
     assert one["bfloat16_policy"] == {"conv": torch.bfloat16, "conv_weight": torch.bfloat16,
                                       "norm_weight": torch.float32, "logits": torch.float32, "grad": torch.float32,
                                       "master": torch.float32}
+
+
+@pytest.fixture
+def world_of_one():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield env_of(0, 1)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, world_of_one):
+    model = fully_shard(nn.Linear(200, 100))
+    optimizer, scheduler = models.sgd_with_cosine(model, run_args())
+    saver = ShardedCheckpoint(run_args(tmp_path, keep=1), world_of_one, "distributed_fsdp.py", model=model,
+                              optimizer=optimizer, scheduler=scheduler)
+    saver.save(epoch=1)
+    before = sorted(os.listdir(tmp_path / "checkpoint.dcp"))
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "replace", full)  # the rename of the whole checkpoint into place
+    with pytest.raises(StorageError) as failed:
+        saver.save(epoch=2)
+    monkeypatch.undo()
+    message = str(failed.value)
+    assert f"could not write {tmp_path / 'checkpoint.dcp'} (No space left on device;" in message, message
+    assert "the previous checkpoint" in message and "is intact" in message
+    assert sorted(os.listdir(tmp_path)) == ["checkpoint.dcp"]  # no unfinished checkpoint.dcp.tmp left
+    assert sorted(os.listdir(tmp_path / "checkpoint.dcp")) == before
+    assert checkpoint.load(str(tmp_path / "checkpoint.dcp"))["epoch"] == 1

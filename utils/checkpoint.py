@@ -75,13 +75,15 @@ def kept_paths(output_dir: str, sharded: bool = False) -> list[str]:
     return [kept_path(output_dir, k, sharded) for k in found]
 
 
-def _nbytes(obj) -> int:
+def nbytes(obj) -> int:
+    """The bytes of the tensors in a (nested) state dict; of a sharded tensor (DTensor), this rank's shard."""
     if isinstance(obj, torch.Tensor):
-        return obj.numel() * obj.element_size()
+        local = obj.to_local() if hasattr(obj, "to_local") else obj
+        return local.numel() * local.element_size()
     if isinstance(obj, dict):
-        return sum(_nbytes(v) for v in obj.values())
+        return sum(nbytes(v) for v in obj.values())
     if isinstance(obj, (list, tuple)):
-        return sum(_nbytes(v) for v in obj)
+        return sum(nbytes(v) for v in obj)
     return 0
 
 
@@ -139,7 +141,7 @@ def save_atomic(state: dict, path: str, keep: int = 1) -> None:
         free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
         newest = kept_paths(directory)
         intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
-        needed = _nbytes(state) / 2**20
+        needed = nbytes(state) / 2**20
         raise StorageError(f"could not write {path} ({error.strerror or error}; a checkpoint needs about "
                            f"{needed:.0f} MB, {free / 2**20:.0f} MB are free there); {intact}") from None
     finally:  # a failure or an interruption at any point: no temporary file left behind

@@ -44,17 +44,6 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def _nbytes(state: dict) -> int:
-    """Bytes this rank holds of a (nested) state dict: its shards' only."""
-    total = 0
-    for value in state.values():
-        if isinstance(value, dict):
-            total += _nbytes(value)
-        elif isinstance(value, torch.Tensor):
-            total += _local(value).numel() * value.element_size()
-    return total
-
-
 def _fsync_tree(path: str) -> None:
     for name in os.listdir(path):
         checkpoint.fsync(os.path.join(path, name))
@@ -176,8 +165,9 @@ class ShardedCheckpoint(Checkpoint):
         intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
         reason = "another rank's write failed" if error is None else (
             getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:160])
-        return StorageError(f"could not write {self.path} ({reason}; this rank's shard needs about "
-                            f"{_nbytes(shards) / 2**20:.0f} MB, {free / 2**20:.0f} MB are free there); {intact}")
+        needed = checkpoint.nbytes(shards) / 2**20
+        return StorageError(f"could not write {self.path} ({reason}; this rank's shard needs about {needed:.0f} MB, "
+                            f"{free / 2**20:.0f} MB are free there); {intact}")
 
 
 def to_single_file(sharded: str, out: str) -> dict:
