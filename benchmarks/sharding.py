@@ -132,12 +132,12 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
         g = torch.Generator().manual_seed(rank)
         images = torch.randn(config["batch_size"], 3, 32, 32, generator=g).to(device)
         targets = torch.randint(0, 100, (config["batch_size"],), generator=g).to(device)
-        times, counted = [], None
+        times, counted = [], CountedCollectives()  # the collectives of the first timed step
         for step in range(config["warmup"] + config["steps"]):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            with CountedCollectives() if step == config["warmup"] else contextlib.nullcontext() as counter:
+            with counted if step == config["warmup"] else contextlib.nullcontext():
                 loss = nn.functional.cross_entropy(model(images), targets)
                 optimizer.zero_grad(set_to_none=False)  # gradients kept, to count them below
                 loss.backward()
@@ -146,7 +146,6 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
                 torch.cuda.synchronize()
             if step >= config["warmup"]:
                 times.append(time.perf_counter() - started)
-            counted = counter if step == config["warmup"] else counted
         params = list(model.parameters())
         result = {
             "parameters": sum(p.numel() for p in params),

@@ -138,3 +138,15 @@ def test_a_single_file_checkpoint_to_resume_is_one_line(reference, tmp_path):
         "--resume", str(reference / "checkpoint.dcp.pt"), "--output-dir", str(tmp_path)])
     assert result.returncode == 2 and "distributed_fsdp.py continues from a sharded one" in result.stderr, result.stderr
     assert result.stderr.count("error:") == 1
+
+
+@pytest.mark.slow
+def test_init_from_a_sharded_checkpoint_starts_a_new_run_from_its_weights(reference, tmp_path):
+    result = check(run(launcher("python", "distributed_fsdp.py") + RUN + [
+        "--init-from", str(reference / "checkpoint.dcp"), "--lr", "0", "--train-samples", "16",
+        "--output-dir", str(tmp_path)]))
+    assert f"starting a new run from the weights in {reference / 'checkpoint.dcp'}" in result.stdout
+    expected, got = weights(reference / "checkpoint.dcp"), weights(tmp_path / "checkpoint.dcp")
+    for key, tensor in expected.items():  # at --lr 0 only BatchNorm's running statistics move
+        if "running" not in key and "num_batches" not in key:
+            assert torch.equal(got[key], tensor), key

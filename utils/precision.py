@@ -32,17 +32,13 @@ def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1
     group = parser.group("mixed precision")
     group.add_argument("--opt-level", type=opt_level, default=opt_level_default,
                        help="apex's names: O0 = float32, O1 = mixed precision; O2/O3 are gone")
-    if float16:
-        group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"], default="auto",
-                           help="autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with "
-                                "native bfloat16 instructions, float32 on other CPUs (where bfloat16 is slower); "
-                                "a resumed run keeps the precision it trained in")
-    else:
-        group.add_argument("--amp-dtype", choices=["auto", "bfloat16"], default="auto",
-                           help="dtype of the parameters and activations in forward and backward; auto: bfloat16 "
-                                "where the device has it natively (GPUs since Ampere, CPUs with AVX512-BF16 or AMX), "
-                                "else float32; float16 is not offered, as it needs loss scaling across the shards; "
-                                "a resumed run keeps the precision it trained in")
+    picks = ("autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with native bfloat16 "
+             "instructions, float32 on other CPUs (where bfloat16 is slower)" if float16 else
+             "dtype of the parameters and activations in forward and backward; auto: bfloat16 where the device has "
+             "it natively (GPUs since Ampere, CPUs with AVX512-BF16 or AMX), else float32; float16 is not offered, "
+             "as it needs loss scaling across the shards")
+    group.add_argument("--amp-dtype", choices=["auto", "float16", "bfloat16"] if float16 else ["auto", "bfloat16"],
+                       default="auto", help=f"{picks}; a resumed run keeps the precision it trained in")
     parser.checks.append(_check_dtype_with_float32)
     if apex_optimizer:
         group.add_argument("--optimizer", choices=["sgd", "apex-fused-sgd"], default="sgd",

@@ -85,18 +85,23 @@ class ShardedCheckpoint(Checkpoint):
 
     def load_weights(self) -> None:
         """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard."""
-        load(self.path)
+        self._read_weights(self.path, self.path)
+
+    def _read_weights(self, path: str, source: str) -> None:
+        """Only the model's weights from the sharded checkpoint `path`, each rank reading its shard."""
+        load(path)
         model = self.parts["model"]
         weights = get_model_state_dict(model)
-        self._read_shards({"model": weights}, self.path)
+        self._read_shards({"model": weights}, path, source)
         set_model_state_dict(model, weights)
 
-    def _read_shards(self, state: dict, path: str) -> None:
+    def _read_shards(self, state: dict, path: str, source: str | None = None) -> None:
+        """dcp.load of `path` into `state`; a failure is one UsageError naming `source` (default: the path)."""
         try:
             dcp.load(state, checkpoint_id=path)
         except (CheckpointException, RuntimeError, KeyError, ValueError, OSError) as e:
             reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
-            raise UsageError(f"{path}: its shards could not be read into this model ({reason})") from None
+            raise UsageError(f"{source or path}: its shards could not be read into this model ({reason})") from None
 
     def restore(self, state: dict, path: str) -> None:
         """The model and optimizer from the shards in `path`, resharded to this world size; the scheduler
@@ -117,11 +122,7 @@ class ShardedCheckpoint(Checkpoint):
     def _start_from_weights(self, path: str) -> None:
         if not os.path.isdir(path):
             return super()._start_from_weights(path)
-        load(path)
-        model = self.parts["model"]
-        weights = get_model_state_dict(model)
-        self._read_shards({"model": weights}, f"--init-from {path}")
-        set_model_state_dict(model, weights)
+        self._read_weights(path, f"--init-from {path}")
         if self.env.is_main:
             print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
 
