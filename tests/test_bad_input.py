@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, run
+from conftest import TINY, check, launcher, run, run_main
 
 from utils import launch
 from utils.errors import UsageError
@@ -120,12 +120,14 @@ def test_cifar100_absent_under_torchrun_is_reported_once(tmp_path):
     assert_one_line_error(result, "--dataset synthetic")
 
 
-def test_port_in_use(tmp_path):
+def test_port_in_use(tmp_path, capsys):
+    import distributed_mp
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        result = run_bad(["spawn", "distributed_mp.py", "--port", str(port)], [], tmp_path / "out")
+        result = run_main(distributed_mp.main, TINY + ["--port", str(port), "--output-dir", str(tmp_path / "out")],
+                          capsys)  # the spawn parent checks the port before any rank starts
     assert_one_line_error(result, f"127.0.0.1:{port}")
 
 
@@ -161,9 +163,11 @@ def test_every_flag_has_help(module, monkeypatch):
     assert len(parser._actions) >= 17
 
 
-def test_help_shows_defaults_that_say_something():
+def test_help_shows_defaults_that_say_something(capsys, monkeypatch):
     """--help states a flag's default, but not "None" or "False", nor twice when its help already does."""
-    result = run(launcher("python", "distributed.py") + ["--help"])
+    import distributed
+    monkeypatch.setenv("COLUMNS", "80")  # a subprocess's width: argparse wraps to the terminal's
+    result = run_main(distributed.main, ["--help"], capsys)
     assert result.returncode == 0
     text = " ".join(result.stdout.split())
     assert "number of training epochs (default: 30)" in text

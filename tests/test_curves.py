@@ -1,9 +1,10 @@
 """Curves to look at: --tensorboard's events, and benchmarks.plot drawing several runs into one PNG."""
 import json
-import sys
 
 import pytest
-from conftest import TINY, check, launcher, read_metrics, run
+from conftest import TINY, check, launcher, read_metrics, run, run_main
+
+from benchmarks import plot
 
 
 def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):
@@ -43,23 +44,22 @@ def fake_run(directory, losses):
         for i, loss in enumerate(losses)))
 
 
-def test_plot_draws_several_runs_into_one_png(tmp_path):
+def test_plot_draws_several_runs_into_one_png(tmp_path, capsys):
     pytest.importorskip("matplotlib")
     fake_run(tmp_path / "ddp", [4.0, 3.0, 2.5])
     fake_run(tmp_path / "dataparallel", [4.1, 3.2])
     output = tmp_path / "curves.png"
-    result = check(run([sys.executable, "-m", "benchmarks.plot", str(tmp_path / "ddp"), str(tmp_path / "dataparallel"),
-                        "--output", str(output)]))
+    result = check(run_main(plot.main, [str(tmp_path / "ddp"), str(tmp_path / "dataparallel"), "--output", str(output)],
+                            capsys))
     assert output.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and output.stat().st_size > 10_000
     assert "2 run(s) drawn" in result.stdout
 
 
 @pytest.mark.parametrize(("make", "says"), [(lambda d: d.mkdir(), "holds no metrics.jsonl"),
                                             (lambda d: fake_run(d, []), "no finished epoch")])
-def test_plot_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, make, says):
+def test_plot_of_a_directory_that_is_not_a_run_is_a_one_line_error(tmp_path, make, says, capsys):
     make(tmp_path / "empty")
-    result = run([sys.executable, "-m", "benchmarks.plot", str(tmp_path / "empty"), "--output",
-                  str(tmp_path / "x.png")])
+    result = run_main(plot.main, [str(tmp_path / "empty"), "--output", str(tmp_path / "x.png")], capsys)
     lines = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(lines) == 1 and says in lines[0], result.stderr
     assert not (tmp_path / "x.png").exists()

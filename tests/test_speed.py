@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run
+from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run, run_main
 
 from utils import techniques
 
@@ -78,8 +78,9 @@ def test_technique_flags_have_help_and_defaults():
 
 
 @pytest.mark.parametrize("argv", [["--comm-hook", "int8"], ["--bucket-cap-mb", "0"], ["--optimizer-impl", "x"]])
-def test_bad_technique_flags_are_one_line_errors(argv):
-    result = run(launcher("python", "distributed.py") + argv)
+def test_bad_technique_flags_are_one_line_errors(argv, capsys):
+    import distributed
+    result = run_main(distributed.main, argv, capsys)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
@@ -109,8 +110,9 @@ def test_benchmark_writes_table_chart_and_numbers(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--epochs", "1"], ["--only", "no such row"], ["--batch-size", "6"],
                                   ["--nprocs", "0"], ["--workers", "-1"]])
-def test_benchmark_bad_input_is_one_line(argv, tmp_path):
-    result = run([sys.executable, "-m", "benchmarks.run", "--output-dir", str(tmp_path)] + argv)
+def test_benchmark_bad_input_is_one_line(argv, tmp_path, capsys):
+    from benchmarks import run as bench
+    result = run_main(bench.main, ["--output-dir", str(tmp_path)] + argv, capsys)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert not (tmp_path / "benchmark.md").exists()
 
