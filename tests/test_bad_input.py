@@ -37,17 +37,6 @@ CASES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def signal_handlers_restored():
-    """Scripts called in-process install their stop-signal handlers in pytest's process: undo that."""
-    import signal
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-    signal.set_wakeup_fd(-1)
-
-
 def run_bad(kind_and_script: list[str], extra: list[str], out):
     kind, script, *flags = kind_and_script
     return run(launcher(kind, script) + TINY + flags + extra + ["--output-dir", str(out)], timeout=120)
@@ -69,9 +58,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("earlier run\n")
-    with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(TINY + ["--output-dir", str(out)] + flags)  # a case may name its own
-    result = SimpleNamespace(returncode=exit_info.value.code, stderr=capsys.readouterr().err)
+    result = run_main(importlib.import_module(module).main, TINY + ["--output-dir", str(out)] + flags,  # or its own
+                      capsys)
     assert_one_line_error(result, expected)
     assert (out / "metrics.jsonl").read_text() == "earlier run\n"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
@@ -81,9 +69,7 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
 def test_an_output_dir_that_is_a_file_is_refused_untouched(module, tmp_path, capsys):
     out = tmp_path / "notes.txt"
     out.write_text("mine\n")
-    with pytest.raises(SystemExit) as exit_info:
-        importlib.import_module(module).main(TINY + ["--output-dir", str(out / "run")])
-    result = SimpleNamespace(returncode=exit_info.value.code, stderr=capsys.readouterr().err)
+    result = run_main(importlib.import_module(module).main, TINY + ["--output-dir", str(out / "run")], capsys)
     assert_one_line_error(result, "is a file, not a directory")
     assert out.read_text() == "mine\n"
 
