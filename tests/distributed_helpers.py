@@ -1,4 +1,4 @@
-"""Run a function on N ranks (gloo by default) in spawned processes and collect what each returns."""
+"""Run a function on N ranks (gloo by default) in new processes and collect what each returns."""
 import os
 from types import SimpleNamespace
 
@@ -11,6 +11,13 @@ from utils.launch import free_port
 # What the scripts' train_one_epoch takes beside the model, for tests that call it directly:
 NEVER_STOPPED = SimpleNamespace(agreed=lambda: False)  # utils.stopping.StopSignals with no signal
 NO_CHECKPOINTS = SimpleNamespace(due=lambda step, steps: False)  # checkpoint.Checkpoint, no --save-every-steps
+
+
+def new_processes():
+    """The context for a test's own processes: forkserver. Each is forked from one server process that imported
+    torch once per pytest worker and has run no test code; spawn would import torch again in each (3 s)."""
+    mp.set_forkserver_preload(["torch", "torch.distributed", "torchvision", "distributed_helpers"])
+    return mp.get_context("forkserver")
 
 
 def _entry(rank, world_size, port, fn, args, results_dir, backend):
@@ -27,5 +34,7 @@ def _entry(rank, world_size, port, fn, args, results_dir, backend):
 def on_ranks(world_size, fn, *args, results_dir, backend="gloo"):
     """fn(rank, world_size, *args) on each rank of a fresh process group; returns the list of results."""
     os.makedirs(results_dir, exist_ok=True)
-    mp.spawn(_entry, args=(world_size, free_port(), fn, args, str(results_dir), backend), nprocs=world_size)
+    new_processes()
+    mp.start_processes(_entry, args=(world_size, free_port(), fn, args, str(results_dir), backend), nprocs=world_size,
+                       start_method="forkserver")
     return [torch.load(os.path.join(results_dir, f"{r}.pt"), weights_only=False) for r in range(world_size)]

@@ -219,8 +219,10 @@ def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
 
 
 def test_a_silent_peer_fails_the_collective_within_the_timeout():
+    from distributed_helpers import new_processes
+
     from utils.launch import free_port
-    ctx = torch.multiprocessing.get_context("spawn")
+    ctx = new_processes()
     event, results = ctx.Event(), ctx.SimpleQueue()
     port = free_port()
     procs = [ctx.Process(target=wait_for_a_peer_that_never_comes, args=(r, 2, port, event, results))
