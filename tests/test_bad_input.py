@@ -58,8 +58,8 @@ def test_bad_input_is_one_line_and_exit_2(case, tmp_path, capsys, monkeypatch):
     out = tmp_path / "out"
     out.mkdir()
     (out / "metrics.jsonl").write_text("earlier run\n")
-    result = run_main(importlib.import_module(module).main, TINY + ["--output-dir", str(out)] + flags,  # or its own
-                      capsys)
+    argv = TINY + ["--output-dir", str(out)] + flags  # a case may give its own --output-dir
+    result = run_main(importlib.import_module(module).main, argv, capsys)
     assert_one_line_error(result, expected)
     assert (out / "metrics.jsonl").read_text() == "earlier run\n"
     assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
