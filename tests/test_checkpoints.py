@@ -132,6 +132,29 @@ def test_keep_rotates_and_a_truncated_newest_falls_back_to_the_one_before(tmp_pa
     assert [checkpoint.load(p)["epoch"] for p in checkpoint.kept_paths(str(tmp_path))] == [3, 2]
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["files", "sharded directories"])
+def test_rotation_keeps_the_newest_n_and_removes_the_rest(tmp_path, sharded):
+    """rotate_in, the one rotation of checkpoint.pt files and of sharded checkpoint.dcp directories."""
+    def written(n: int) -> str:  # a whole checkpoint that says n
+        tmp = tmp_path / f"{n}.tmp"
+        if sharded:
+            tmp.mkdir()
+        (tmp / "run.pt" if sharded else tmp).write_text(str(n))
+        return str(tmp)
+
+    def says(path: str) -> int:
+        return int(Path(path, "run.pt" if sharded else "").read_text())
+
+    for keep in (1, 2, 3):
+        out = tmp_path / f"keep{keep}"
+        out.mkdir()
+        for n in range(1, 5):
+            checkpoint.rotate_in(written(n), checkpoint.kept_path(str(out), 0, sharded), keep, sharded)
+            assert [says(p) for p in checkpoint.kept_paths(str(out), sharded)] == [*range(n, max(n - keep, 0), -1)]
+        assert len(os.listdir(out)) == keep
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_when_no_checkpoint_can_be_read_the_newest_is_refused_and_all_left_untouched(tmp_path):
     for name in ("checkpoint.pt", "checkpoint.1.pt"):
         (tmp_path / name).write_bytes(b"PK\x03\x04 half")

@@ -80,9 +80,11 @@ def test_a_sharded_checkpoint_made_one_file_evaluates_exactly_in_other_scripts_a
                                                                                                capsys):
     trained = read_metrics(reference)[-1]
     command = [str(reference / "checkpoint.dcp"), str(tmp_path / "checkpoint.pt")]  # python -m utils.sharded_checkpoint
+    (tmp_path / "checkpoint.1.pt").write_bytes(b"another run's")  # a file of its own: the rotation leaves this be
     with pytest.raises(SystemExit) as exited:
         sharded_checkpoint.main(command)
     assert exited.value.code == 0 and "epoch 1, step 0 of a 2-process run" in capsys.readouterr().out
+    assert (tmp_path / "checkpoint.1.pt").read_bytes() == b"another run's"
     one_file = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert one_file["model"]["conv1.weight"].shape == (64, 3, 3, 3)  # whole, not a shard
     before = (tmp_path / "checkpoint.pt").read_bytes()

@@ -27,7 +27,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from utils import collectives
-from utils.errors import Diverged, StorageError, UsageError
+from utils.errors import Diverged, StorageError, UsageError, first_line
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"
@@ -55,7 +55,7 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def is_sharded(args) -> bool:
-    """Whether the script writes sharded checkpoints (flags.add_shared_flags(..., sharded_checkpoints=True))."""
+    """Whether the script writes sharded checkpoints (flags.add_shared_flags(..., sharded=True))."""
     return getattr(args, "checkpoint_format", "file") == "sharded"
 
 
@@ -114,11 +114,39 @@ def fsync(path: str) -> None:
         os.close(fd)
 
 
-def save_atomic(state: dict, path: str, keep: int = 1) -> None:
-    """Write to a temporary file of this process, flush it to disk, then rename it to `path`, the older
-    checkpoints moving down one (checkpoint.pt -> checkpoint.1.pt ...) and the one past `keep` removed: a
-    crash leaves every earlier checkpoint whole. A failed write (full disk, I/O error, read-only file
-    system) removes the temporary file and raises StorageError, saying how much room was needed."""
+def rotate_in(tmp: str, newest: str, keep: int, sharded: bool = False) -> None:
+    """The whole checkpoint `tmp` becomes `newest`, the kept ones moving down one (checkpoint.pt ->
+    checkpoint.1.pt ...) and those past `keep` removed: at every moment the newest or the one before is
+    whole. A sharded checkpoint is a directory, which no rename may overwrite: the one in the way is
+    removed first, and checkpoint.dcp moves down even with keep=1 (then removed once tmp took its place)."""
+    directory = os.path.dirname(os.path.abspath(newest))
+    remove = shutil.rmtree if sharded else os.remove
+    for k in range(max(keep, 2 if sharded else 1) - 1, 0, -1):  # the oldest kept first
+        if os.path.exists(older := kept_path(directory, k - 1, sharded)):
+            if sharded and os.path.exists(kept_path(directory, k, sharded)):
+                remove(kept_path(directory, k, sharded))
+            os.replace(older, kept_path(directory, k, sharded))
+    os.replace(tmp, newest)
+    for extra in kept_paths(directory, sharded)[keep:]:  # keep=1 with a directory, or --keep lowered since
+        remove(extra)
+    fsync(directory)  # make the renames themselves durable
+
+
+def storage_error(path: str, reason: str, needed: str, sharded: bool = False) -> StorageError:
+    """The one line for a checkpoint that could not be written: why, the room it needed (`needed`, said as
+    a clause) and the room free, and which earlier checkpoint is left intact."""
+    directory = os.path.dirname(os.path.abspath(path))
+    free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
+    newest = kept_paths(directory, sharded)
+    intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
+    return StorageError(f"could not write {path} ({reason}; {needed}, {free / 2**20:.0f} MB are free there); {intact}")
+
+
+def save_atomic(state: dict, path: str, keep: int | None = None) -> None:
+    """Write to a temporary file of this process, flush it to disk, then rename it to `path`; with `keep`,
+    `path` is a run's checkpoint.pt and the older ones move down (rotate_in). A crash leaves every earlier
+    file whole. A failed write (full disk, I/O error, read-only file system) removes the temporary file and
+    raises StorageError, saying how much room was needed."""
     directory = os.path.dirname(os.path.abspath(path))
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
@@ -130,20 +158,14 @@ def save_atomic(state: dict, path: str, keep: int = 1) -> None:
                 raise written.error or sys.exc_info()[1] from None
             f.flush()
             os.fsync(f.fileno())
-        for k in range(keep - 1, 0, -1):  # the oldest kept first, so that no rename overwrites a checkpoint
-            if os.path.exists(older := kept_path(directory, k - 1)):
-                os.replace(older, kept_path(directory, k))
-        os.replace(tmp, path)
-        for extra in kept_paths(directory)[keep:]:  # --keep lowered since the last run
-            os.remove(extra)
-        fsync(directory)  # make the renames themselves durable
+        if keep is None:  # a file of its own (python -m utils.sharded_checkpoint): no other file is touched
+            os.replace(tmp, path)
+            fsync(directory)
+        else:
+            rotate_in(tmp, path, keep)
     except OSError as error:
-        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
-        newest = kept_paths(directory)
-        intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
-        needed = nbytes(state) / 2**20
-        raise StorageError(f"could not write {path} ({error.strerror or error}; a checkpoint needs about "
-                           f"{needed:.0f} MB, {free / 2**20:.0f} MB are free there); {intact}") from None
+        needed = f"a checkpoint needs about {nbytes(state) / 2**20:.0f} MB"
+        raise storage_error(path, error.strerror or str(error), needed) from None
     finally:  # a failure or an interruption at any point: no temporary file left behind
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -154,8 +176,7 @@ def _read(path: str):
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except (RuntimeError, EOFError, OSError, pickle.UnpicklingError, zipfile.BadZipFile, ValueError) as e:
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise Unreadable(reason[:160]) from None
+        raise Unreadable(first_line(e)) from None
 
 
 def load(path: str) -> dict:

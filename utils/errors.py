@@ -26,6 +26,12 @@ class StorageError(Exception):
     exit_status = 1
 
 
+def first_line(error: BaseException, limit: int = 160) -> str:
+    """An exception's first line, cut at `limit` characters (its type's name when it has no message)."""
+    text = str(error).strip()
+    return text.splitlines()[0][:limit] if text else type(error).__name__
+
+
 def report(message: str) -> None:
     """Print one error line; under a launcher only local rank 0 of each machine speaks, so the N ranks
     of a machine do not repeat it (and a machine that cannot reach the others still says why)."""

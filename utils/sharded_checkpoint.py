@@ -34,8 +34,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from utils import checkpoint, collectives
-from utils.checkpoint import HEADER, Checkpoint, kept_path, load, load_optimizer
-from utils.errors import Diverged, StorageError, UsageError, exit_on_error
+from utils.checkpoint import HEADER, Checkpoint, load, load_optimizer
+from utils.errors import Diverged, StorageError, UsageError, exit_on_error, first_line
 
 FULL = StateDictOptions(full_state_dict=True)  # plain tensors keyed as the unsharded model's state_dict
 
@@ -48,22 +48,6 @@ def _fsync_tree(path: str) -> None:
     for name in os.listdir(path):
         checkpoint.fsync(os.path.join(path, name))
     checkpoint.fsync(path)
-
-
-def rotate_in(tmp: str, newest: str, keep: int) -> None:
-    """The whole sharded checkpoint `tmp` becomes `newest`, the kept ones moving down one and the one past
-    `keep` removed; at every moment checkpoint.dcp or checkpoint.1.dcp is a whole checkpoint."""
-    directory = os.path.dirname(newest)
-    slots = [kept_path(directory, k, sharded=True) for k in range(max(keep, 2) + 1)]
-    for k in range(len(slots) - 1, 0, -1):  # the oldest first, so that no rename meets a directory
-        if os.path.exists(slots[k - 1]):
-            if os.path.exists(slots[k]):
-                shutil.rmtree(slots[k])
-            os.replace(slots[k - 1], slots[k])
-    os.replace(tmp, newest)
-    for extra in checkpoint.kept_paths(directory, sharded=True)[keep:]:  # keep=1 and --keep lowered since
-        shutil.rmtree(extra)
-    checkpoint.fsync(directory)  # make the renames themselves durable
 
 
 class ShardedCheckpoint(Checkpoint):
@@ -80,8 +64,7 @@ class ShardedCheckpoint(Checkpoint):
         try:
             set_model_state_dict(self.parts["model"], weights, options=FULL)
         except (RuntimeError, KeyError, ValueError) as e:
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise UsageError(f"{source} holds weights of another architecture ({first[:160]})") from None
+            raise UsageError(f"{source} holds weights of another architecture ({first_line(e)})") from None
 
     def load_weights(self) -> None:
         """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard."""
@@ -100,7 +83,7 @@ class ShardedCheckpoint(Checkpoint):
         try:
             dcp.load(state, checkpoint_id=path)
         except (CheckpointException, RuntimeError, KeyError, ValueError, OSError) as e:
-            reason = str(e).strip().splitlines()[0][:160] if str(e).strip() else type(e).__name__
+            reason = first_line(e)
             raise UsageError(f"{source or path}: its shards could not be read into this model ({reason})") from None
 
     def restore(self, state: dict, path: str) -> None:
@@ -151,7 +134,7 @@ class ShardedCheckpoint(Checkpoint):
                                if name not in ("model", "optimizer") and part is not None})
                 torch.save(header, os.path.join(tmp, HEADER))
                 _fsync_tree(tmp)
-                rotate_in(tmp, self.path, self.keep)
+                checkpoint.rotate_in(tmp, self.path, self.keep, sharded=True)
             except OSError as e:
                 error = e
         if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint
@@ -160,15 +143,10 @@ class ShardedCheckpoint(Checkpoint):
             raise self._storage_error(error, shards)
 
     def _storage_error(self, error, shards: dict) -> StorageError:
-        directory = self.args.output_dir
-        free = shutil.disk_usage(directory).free if os.path.isdir(directory) else 0
-        newest = checkpoint.kept_paths(directory, sharded=True)
-        intact = f"the previous checkpoint, {newest[0]}, is intact" if newest else "no earlier checkpoint exists"
         reason = "another rank's write failed" if error is None else (
             getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:160])
-        needed = checkpoint.nbytes(shards) / 2**20
-        return StorageError(f"could not write {self.path} ({reason}; this rank's shard needs about {needed:.0f} MB, "
-                            f"{free / 2**20:.0f} MB are free there); {intact}")
+        needed = f"this rank's shard needs about {checkpoint.nbytes(shards) / 2**20:.0f} MB"
+        return checkpoint.storage_error(self.path, reason, needed, sharded=True)
 
 
 def to_single_file(sharded: str, out: str) -> dict:
