@@ -85,6 +85,9 @@ def test_a_sharded_checkpoint_made_one_file_evaluates_exactly_in_other_scripts_a
         sharded_checkpoint.main(command)
     assert exited.value.code == 0 and "epoch 1, step 0 of a 2-process run" in capsys.readouterr().out
     assert (tmp_path / "checkpoint.1.pt").read_bytes() == b"another run's"
+    with pytest.raises(SystemExit) as exited:  # a name --evaluate does not read: the line says what does read it
+        sharded_checkpoint.main([command[0], str(tmp_path / "model.pt")])
+    assert exited.value.code == 0 and f"(--init-from {tmp_path / 'model.pt'} starts a run" in capsys.readouterr().out
     one_file = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     assert one_file["model"]["conv1.weight"].shape == (64, 3, 3, 3)  # whole, not a shard
     before = (tmp_path / "checkpoint.pt").read_bytes()

@@ -179,8 +179,10 @@ def main(argv=None) -> None:
         if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise UsageError(f"{os.path.dirname(out)}: no such directory")
         state = to_single_file(args.sharded, out)
+        use = (f"python distributed.py --evaluate --output-dir {os.path.dirname(out) or '.'} tests it"
+               if os.path.basename(out) == checkpoint.FILENAME else f"--init-from {out} starts a run from it")
         print(f"wrote {out}: epoch {state['epoch']}, step {state['step']} of a {state['world_size']}-process run "
-              f"(python distributed.py --evaluate --output-dir {os.path.dirname(out) or '.'} tests it)")
+              f"({use})")
     sys.exit(0)
 
 
