@@ -8,7 +8,9 @@
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
 median images/s of the others is reported, with the peak memory and gradient all-reduces per
-optimizer step that the script writes to metrics.jsonl. The ideal is measured in the same run:
+optimizer step that the script writes to metrics.jsonl. On the CPU the rows load their batches in the
+rank (--workers 0: the cores compute) but two, which start the scripts' default DataLoader workers under
+torchrun and under spawn, the data path users run. The ideal is measured in the same run:
 N independent processes of the bare training step (benchmarks/bare_step.py: no process group,
 no data loading), one per device, with the same per-rank batch, side by side; its images/s is
 their sum. "vs ideal" is a row's images/s over the ideal of its precision. Technique rows change
@@ -40,6 +42,7 @@ from utils import flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
+WORKERS = "4"  # the scripts' default --workers
 
 
 @dataclass
@@ -74,6 +77,9 @@ def rows(device: str) -> list[Row]:
             ["--opt-level", "O1", "--amp-dtype", mixed], amp=mixed),
         Row("DDP (torchrun)", "distributed.py", "torchrun"),
         Row("DDP (spawn)", "distributed_mp.py", "spawn"),
+        # the data path users run: the other rows load in the rank on the CPU (--workers 0, the cores compute)
+        *([] if gpu else [Row(f"DDP, {WORKERS} DataLoader workers ({start})", script, start, ["--workers", WORKERS])
+                          for start, script in (("torchrun", "distributed.py"), ("spawn", "distributed_mp.py"))]),
         Row("DDP + bfloat16 autocast", "distributed_apex.py", "spawn", ["--amp-dtype", "bfloat16"], amp="bfloat16"),
         Row("DDP + float16 autocast + GradScaler", "distributed_apex.py", "spawn", ["--amp-dtype", "float16"],
             amp="float16", gpu_only=True),
@@ -273,7 +279,8 @@ def main(argv=None):
     parser.add_argument("--epochs", type=flags.positive_int, default=None,
                         help="epochs per row; the first is not counted (default: 3, 2 with --quick)")
     parser.add_argument("--workers", type=flags.non_negative_int, default=None,
-                        help="DataLoader workers per process; default: 0 on the CPU (the cores compute), 8 on GPU")
+                        help="DataLoader workers per process; default: 0 on the CPU (the cores compute; two rows "
+                             f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas; "
                              "seed: the seed table's four rows)")

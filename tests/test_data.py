@@ -1,11 +1,14 @@
 """The real CIFAR-100 loading code on fake files in the real format; shards, order and augmentation."""
 import hashlib
+import multiprocessing
+import os
 import pickle
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 import torchvision
 from torch.utils.data import DistributedSampler
 
@@ -118,6 +121,49 @@ def test_a_forgotten_set_epoch_is_an_error_not_a_repeated_order():
         loader.epoch(1)
     with pytest.raises(ValueError, match="drop_last"):
         data.TrainLoader(dataset, DistributedSampler(dataset, num_replicas=1, rank=0), 6, workers=0, pin=False)
+
+
+SET_IN_THE_RANK = False  # made True at run time in the rank: a forked worker inherits it, a spawned one re-imports
+
+
+class _WhoLoads(data.Images):
+    """Images whose targets also say which process loaded each sample and whether it was forked from the rank."""
+
+    def __getitem__(self, index):
+        image, target = super().__getitem__(index)
+        return image, torch.tensor([int(target), os.getpid(), int(SET_IN_THE_RANK)])
+
+
+def _three_epochs_in_a_spawned_rank(_local_rank, results: str) -> None:
+    global SET_IN_THE_RANK
+    SET_IN_THE_RANK = True
+    dataset = _WhoLoads(*data.synthetic(40, train=True), augment=True, seed=3)
+    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=7, drop_last=True)
+    without_workers = data.TrainLoader(dataset, sampler, 8, workers=0, pin=False)
+    with_workers = data.TrainLoader(dataset, sampler, 8, workers=2, pin=False)
+    epochs = []
+    for epoch in range(3):
+        sampler.set_epoch(epoch)
+        expected, got = list(without_workers.epoch(epoch)), list(with_workers.epoch(epoch))
+        epochs.append({"same batches": all(torch.equal(a[0], b[0]) and torch.equal(a[1][:, 0], b[1][:, 0])
+                                           for a, b in zip(expected, got, strict=True)),
+                       "worker pids": {int(pid) for _, who in got for pid in who[:, 1]},
+                       "forked": all(bool(f) for _, who in got for f in who[:, 2])})
+    torch.save({"start method": multiprocessing.get_start_method(), "epochs": epochs}, results)
+
+
+def test_a_spawned_rank_forks_its_workers_once_per_run(tmp_path):
+    """In a rank started by mp.spawn (the start method there is spawn, whose workers import torch again:
+    10-30 s per epoch), the training workers are forked, started once and kept for every epoch, and
+    still give each epoch's augmentation, bit for bit the batches of a loader without workers."""
+    mp.spawn(_three_epochs_in_a_spawned_rank, args=(str(tmp_path / "r.pt"),), nprocs=1)
+    seen = torch.load(tmp_path / "r.pt", weights_only=False)
+    assert seen["start method"] == "spawn"  # what the workers would have got without WORKER_START_METHOD
+    epochs = seen["epochs"]
+    assert all(e["same batches"] and e["forked"] for e in epochs), epochs
+    assert len(epochs[0]["worker pids"]) == 2 and epochs[0]["worker pids"] == epochs[1]["worker pids"] \
+        == epochs[2]["worker pids"], epochs
+    assert os.getpid() not in epochs[0]["worker pids"]
 
 
 def _indices(loader, dataset):

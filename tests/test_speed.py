@@ -159,3 +159,13 @@ def test_the_device_peak_is_the_faster_of_matmuls_and_convolutions():
     from benchmarks.bare_step import device_peak
     peak = device_peak(torch.device("cpu"), torch.float32, seconds=0.05)
     assert peak["peak_tflops"] == max(peak["matmul_tflops"], peak["conv_tflops"]) > 0
+
+
+@pytest.mark.slow
+def test_worker_start_benchmark_times_both_loaders_in_a_spawned_rank():
+    result = check(run([sys.executable, "-m", "benchmarks.worker_start", "--images", "64", "--workers", "1",
+                        "--batch-size", "8", "--epochs", "2"]))
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert list(report["seconds"]) == ["scripts' loader", "plain DataLoader"]
+    assert all(len(s) == 2 and min(s) > 0 for s in report["seconds"].values()), report
+    assert "scripts' loader: first batch of epoch 1 after" in result.stdout

@@ -10,6 +10,7 @@ device loader hashes a whole batch of indices on the GPU and gets the same draws
 """
 import itertools
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -60,10 +61,16 @@ class Images(Dataset):
 
     def __init__(self, images: torch.Tensor, targets: torch.Tensor, augment: bool, seed: int):
         self.images, self.targets, self.augment, self.seed = images, targets, augment, seed
-        self.epoch = 0
+        # in shared memory: DataLoader workers kept across epochs hold a copy of this object, not a reference
+        self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    @property
+    def epoch(self) -> int:
+        return int(self._epoch)
 
     def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch  # DataLoader workers are made anew each epoch and copy this value
+        """Call before the epoch's batches are asked for; persistent workers read it from shared memory."""
+        self._epoch.fill_(epoch)
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -71,7 +78,7 @@ class Images(Dataset):
     def __getitem__(self, index: int):
         image = self.images[index]
         if self.augment:  # torchvision's random transforms would draw from the worker's RNG: see above
-            top, left, flip = augment_draws(self.seed, self.epoch, int(index))
+            top, left, flip = augment_draws(self.seed, int(self._epoch), int(index))
             image = TF.crop(TF.pad(image, [4]), top, left, 32, 32)  # RandomCrop(32, padding=4)
             if flip:  # RandomHorizontalFlip(0.5)
                 image = TF.horizontal_flip(image)
@@ -152,6 +159,21 @@ def synthetic(n: int, train: bool, chunk: int = 1000):
     return torch.cat(images)[:n], torch.cat(targets)[:n]
 
 
+# Forked, not left to the default: in a rank started by mp.spawn the default is spawn (and on Python 3.14
+# forkserver everywhere), whose workers import torch again, 10-30 s per start. Fork is safe here: workers
+# only index CPU tensors. macOS keeps its default, spawn (fork is unsafe with its system libraries).
+WORKER_START_METHOD = "fork" if sys.platform == "linux" else None
+
+
+def worker_options(workers: int) -> dict:
+    """DataLoader arguments for `workers` worker processes: forked, kept alive across epochs (started once
+    per run, not once per epoch), leaving stop signals to their rank."""
+    if workers == 0:
+        return {}
+    return {"num_workers": workers, "multiprocessing_context": WORKER_START_METHOD, "persistent_workers": True,
+            "worker_init_fn": stopping.leave_stop_signals_to_the_rank}
+
+
 class SkipFirst(Sampler):
     """The indices of a DistributedSampler after its first `skip`: a mid-epoch resume leaves out the
     batches its checkpoint already trained (DistributedSampler always starts at the epoch's beginning)."""
@@ -180,14 +202,13 @@ class TrainLoader:
         self.dataset, self.per_rank_batch = dataset, per_rank_batch
         self.sampler = SkipFirst(sampler)
         self.loader = stopping.WorkersForkedWithSignalsHeld(DataLoader(
-            dataset, per_rank_batch, sampler=self.sampler, num_workers=workers, pin_memory=pin,
-            drop_last=True, worker_init_fn=stopping.leave_stop_signals_to_the_rank))
+            dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True, **worker_options(workers)))
         self.steps = _whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
         """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
-        if hasattr(self.dataset, "set_epoch"):  # Images draws its augmentation from (seed, epoch, index)
-            self.dataset.set_epoch(epoch)
+        if hasattr(self.dataset, "set_epoch"):  # Images draws its augmentation from (seed, epoch, index);
+            self.dataset.set_epoch(epoch)  # a dataset of yours: keep the epoch where kept workers see it
         _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
         if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
             return []
@@ -210,8 +231,7 @@ def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size:
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
     return stopping.WorkersForkedWithSignalsHeld(DataLoader(
-        shard, per_rank_batch, shuffle=False, num_workers=workers, pin_memory=pin,
-        worker_init_fn=stopping.leave_stop_signals_to_the_rank))
+        shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers)))
 
 
 def _normalised(images: torch.Tensor) -> torch.Tensor:
