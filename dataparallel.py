@@ -76,7 +76,8 @@ def train(args, env, stop, gpus) -> int:
     test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
+    model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
+    model = model.to(env.device, memory_format=techniques.memory_format(args))
     techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
     model = AutocastInForward(model, amp_dtype)  # mixed precision inside each replica (a no-op for float32)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm

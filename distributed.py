@@ -53,7 +53,8 @@ def train(args, env, stop) -> int:
     test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
-    model = models.resnet18_cifar().to(env.device, memory_format=techniques.memory_format(args))
+    model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
+    model = model.to(env.device, memory_format=techniques.memory_format(args))
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)

@@ -180,3 +180,12 @@ def test_test_shards_cover_the_test_set_exactly_once(world_size):
     envs = [SimpleNamespace(rank=r, world_size=world_size, device=torch.device("cpu")) for r in range(world_size)]
     seen = [i for env in envs for i in data.test_loader(dataset, per_rank_batch=4, env=env, args=args).dataset.indices]
     assert sorted(seen) == list(range(10))
+
+
+def test_the_class_count_comes_from_the_data(tmp_path):
+    images, targets = data.synthetic(20, train=True)
+    assert data.num_classes(data.Images(images, targets, augment=False, seed=0, classes=["a"] * 100)) == 100
+    assert data.num_classes(data.Images(images, targets, augment=False, seed=0)) == int(targets.max()) + 1
+    assert data.num_classes(data.load(args_for(tmp_path, dataset="synthetic", train_samples=10), train=True)) == 100
+    with pytest.raises(UsageError, match="give it a `classes` list"):
+        data.num_classes(torch.utils.data.TensorDataset(images, targets))

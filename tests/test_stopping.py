@@ -155,6 +155,8 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "error:" in line]
     assert len(errors) == 1 and "diverged" in errors[0] and "--lr than 1e+08" in errors[0], result.stderr
     assert "Traceback" not in result.stderr
+    # the epoch's first step is printed whatever --print-freq, so a slow run says something within seconds
+    assert "epoch 1/1 step 1/6 loss" in result.stdout and "step 2/6" not in result.stdout, result.stdout
     kept = load_checkpoint(tmp_path)
     assert 1 <= kept["step"] < 6
     assert all(torch.isfinite(t).all() for t in kept["model"].values() if t.is_floating_point())

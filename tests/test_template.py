@@ -18,8 +18,8 @@ from processes import Run
 
 CLASSES = 6
 MODEL = '''
-def resnet18_cifar(num_classes: int = NUM_CLASSES) -> nn.Module:
-    return torchvision.models.mobilenet_v3_small(num_classes=6)
+def resnet18_cifar(num_classes: int = 100) -> nn.Module:
+    return torchvision.models.mobilenet_v3_small(num_classes=num_classes)
 '''
 DATA = '''
 def datasets(args, env) -> tuple[Dataset, Dataset]:
@@ -81,6 +81,7 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     stopped_at = load_checkpoint(out)
     assert stopped_at["epoch"] == 0 and 2 <= stopped_at["step"] < 6
     assert "features.0.0.weight" in stopped_at["model"]  # the copy's model: MobileNetV3, not ResNet-18
+    assert stopped_at["model"]["classifier.3.weight"].shape[0] == CLASSES  # one output per class of the folder
 
     continued = check(subprocess.run(cmd, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
                                      timeout=300))
@@ -95,3 +96,15 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     assert evaluated["samples"] == 17
     for key in ("test_loss", "top1", "top5"):
         assert evaluated[key] == pytest.approx(records[-1][key], rel=1e-5), key
+
+
+@pytest.mark.slow
+def test_a_copy_whose_data_folder_lacks_a_split_says_so_in_one_line(template, tmp_path):
+    (tmp_path / "pngs" / "test").rename(tmp_path / "pngs" / "val")  # the page's datasets() reads "test"
+    result = subprocess.run([sys.executable, str(template / "distributed.py"), "--device", "cpu", "--data-dir",
+                             str(tmp_path / "pngs"), "--workers", "0", "--output-dir", str(tmp_path / "run")],
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
+    assert "error: No such file or directory:" in lines[0] and str(tmp_path / "pngs" / "test") in lines[0], lines
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()

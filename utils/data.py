@@ -57,10 +57,14 @@ def augment_draws(seed: int, epoch: int, indices):
 
 
 class Images(Dataset):
-    """uint8 images (N, 3, 32, 32) and labels; yields normalised float tensors, optionally augmented."""
+    """uint8 images (N, 3, 32, 32) and labels; yields normalised float tensors, optionally augmented.
+    `classes`: the class names, as torchvision's datasets have them (None: inferred from the labels)."""
 
-    def __init__(self, images: torch.Tensor, targets: torch.Tensor, augment: bool, seed: int):
+    def __init__(self, images: torch.Tensor, targets: torch.Tensor, augment: bool, seed: int,
+                 classes: list[str] | None = None):
         self.images, self.targets, self.augment, self.seed = images, targets, augment, seed
+        if classes is not None:
+            self.classes = classes
         # in shared memory: DataLoader workers kept across epochs hold a copy of this object, not a reference
         self._epoch = torch.zeros((), dtype=torch.int64).share_memory_()
 
@@ -84,6 +88,17 @@ class Images(Dataset):
                 image = TF.horizontal_flip(image)
         image = TF.to_dtype(image, torch.float32, scale=True)
         return TF.normalize(image, MEAN, STD), self.targets[index]
+
+
+def num_classes(dataset: Dataset) -> int:
+    """How many classes the model must tell apart: the length of the dataset's `classes` (torchvision's
+    datasets and Images name them), else one more than its largest label in `targets`."""
+    if hasattr(dataset, "classes"):
+        return len(dataset.classes)
+    if hasattr(dataset, "targets"):
+        return int(max(int(t) for t in dataset.targets)) + 1
+    raise UsageError(f"cannot tell how many classes the {type(dataset).__name__} training set has: give it "
+                     "a `classes` list of class names, as torchvision's datasets have")
 
 
 def datasets(args, env) -> tuple[Dataset, Dataset]:
@@ -139,7 +154,8 @@ def load(args, train: bool) -> Images:
                              "delete the folder to download it again") from None
         images = torch.from_numpy(raw.data).permute(0, 3, 1, 2).contiguous()[:limit]
         targets = torch.tensor(raw.targets)[:limit]
-    return Images(images, targets, augment=train and not args.no_augment, seed=args.seed)
+    classes = [f"pattern {c}" for c in range(NUM_CLASSES)] if args.dataset == "synthetic" else raw.classes
+    return Images(images, targets, augment=train and not args.no_augment, seed=args.seed, classes=classes)
 
 
 def synthetic(n: int, train: bool, chunk: int = 1000):

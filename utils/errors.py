@@ -40,15 +40,30 @@ def report(message: str) -> None:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
+def missing_file_line(error: OSError) -> str:
+    """The one line of a file that is missing or cannot be read; from a DataLoader worker, whose message
+    is "Caught FileNotFoundError in DataLoader worker process 0." and its traceback, the original line."""
+    text = str(error).strip()
+    if text.startswith("Caught ") and "worker" in text:
+        return text.splitlines()[-1].split(": ", 1)[-1][:200]
+    if error.filename and error.strerror:
+        return f"{error.strerror}: {error.filename}"
+    return first_line(error, 200)
+
+
 @contextlib.contextmanager
 def exit_on_error():
     """Turn a UsageError, Diverged or StorageError raised inside the block into its line on stderr and exit status;
-    a process group that times out waiting for its ranks is a UsageError too."""
+    a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a process group that
+    times out waiting for its ranks are UsageErrors too."""
     try:
         yield
     except (UsageError, Diverged, StorageError) as error:
         report(str(error))
         sys.exit(error.exit_status)
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
+        report(f"{missing_file_line(error)} (check --data-dir and the paths given)")  # your datasets(), say
+        sys.exit(UsageError.exit_status)
     except torch.distributed.DistStoreError as error:  # in init_process_group: a rank that never came
         report(f"not all processes joined within --dist-timeout ({str(error).splitlines()[0][:120]}); "
                "is every machine started, with the same --nnodes and --nprocs?")

@@ -90,7 +90,7 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
         train.add_argument("--no-sync-bn", action="store_true",
                            help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
     train.add_argument("--print-freq", type=positive_int, default=50,
-                       help="log progress every N steps (the only host syncs)")
+                       help="log progress every N steps and at each epoch's first (the only host syncs)")
     procs = parser.group("processes and devices")
     procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="auto: cuda when a GPU is visible")

@@ -45,14 +45,15 @@ class EpochProgress:
 
     def record(self, loss: torch.Tensor) -> None:
         """Call once per optimizer step, on every rank, with that step's mean training loss. Every
-        --print-freq steps: one all-reduce of the loss, printed by rank 0; a non-finite one raises Diverged."""
+        --print-freq steps, and at this process's first step of each epoch: one all-reduce of the loss,
+        printed by rank 0; a non-finite one raises Diverged."""
         self.loss_sum += loss.detach().float()
         self.loss_count += 1
         self.recorded += 1
         self.step += 1
         if self.bar:
             self.bar.update(1)
-        if self.step % self.print_freq:
+        if self.step % self.print_freq and self.recorded > 1:  # and each epoch's first step: a line within seconds
             return
         step_loss, epoch_sum = (collectives.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
                                 / self.env.world_size).tolist()
