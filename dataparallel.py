@@ -15,10 +15,9 @@ import torch
 from torch import nn
 from torch.utils.data import DistributedSampler
 
-from utils import data, flags, launch, metrics, models, precision, stopping, techniques
-from utils.checkpoint import Checkpoint
+from safety_net import SafetyNet
+from utils import data, flags, launch, metrics, models, precision, techniques
 from utils.errors import UsageError, exit_on_error
-from utils.progress import EpochProgress
 
 
 def parse_args(argv=None):
@@ -48,25 +47,22 @@ class AutocastInForward(nn.Module):
             return self.module(images)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, scaler):
-    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
+def train_one_epoch(model, criterion, optimizer, loader, device, net, scaler):
+    """One epoch, or its rest after a mid-epoch checkpoint; ends early once a stop signal came."""
     model.train()
-    for images, targets in progress:
-        images = images.to(env.device, non_blocking=True)
-        targets = targets.to(env.device, non_blocking=True)
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         loss = criterion(model(images), targets)  # autocast, if any, is inside: AutocastInForward
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # the replicas' (scaled) gradients are summed onto the first GPU's weights
         scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
         scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
-        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+        if net.step_done(loss):  # every step: progress, checkpoints; True once a stop signal came
             return
-        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
-            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
 
 
-def train(args, env, stop, gpus) -> int:
+def train(args, env, net, gpus) -> int:
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main)  # None: float32 (--opt-level O0)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
@@ -87,37 +83,27 @@ def train(args, env, stop, gpus) -> int:
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
-    checkpoint = Checkpoint(args, env, __file__, precision=amp_dtype, model=model, optimizer=optimizer,
-                            scheduler=scheduler, scaler=scaler)
 
-    if args.evaluate:
-        checkpoint.load_weights()
-        results = metrics.evaluate(model, test_loader, env.device)
-        metrics.write_eval(args.output_dir, results, env.is_main)
-        return 0
-    start_epoch, start_step = checkpoint.resume()
-    log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,
-                             steps_per_epoch=train_loader.steps)  # metrics.jsonl, and TensorBoard's events
-    if start_epoch == args.epochs and env.is_main:
-        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
+    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
+        net.load_weights(model)
+        net.write_eval(metrics.evaluate(model, test_loader, env.device))
+        return net.finish()
+    # continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, scaler, step)
+    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
+                             steps_per_epoch=train_loader.steps, precision=amp_dtype)  # the precision is recorded
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
-                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, scaler)
-        # split over the GPUs too; None if a stop signal comes during it
-        results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop)
-        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
-            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
-            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
-                                           path=checkpoint.path, is_main=env.is_main)
-        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
-                   "world_size": env.world_size})
+        sampler.set_epoch(epoch)  # a new shuffle each epoch (else every epoch repeats)
+        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        batches = train_loader.epoch(epoch, start_step)  # the batches, from start_step on
+        train_one_epoch(model, criterion, optimizer, batches, env.device, net, scaler)
+        # split over the GPUs too; a stop signal cuts it short
+        results = metrics.evaluate(model, test_loader, env.device, stop=net.stop_received)
+        if net.all_ranks_agree_to_stop():  # a stop signal came: a checkpoint of this step, then exit
+            return net.save_stopped_run()
+        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        checkpoint.save(epoch=epoch + 1)
-        start_step = 0
-    stop.finish()
-    return 0
+        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return net.finish()
 
 
 def choose_gpus(args) -> list[int]:
@@ -153,13 +139,14 @@ def parse_gpus(text: str, visible: int) -> list[int]:
 
 def main(argv=None):
     args = parse_args(argv)
-    stop = stopping.StopSignals()  # SIGTERM, Ctrl-C, SIGUSR1: stop at the next step with a checkpoint
+    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
     with exit_on_error():
         flags.check_before_start(args)
         gpus = choose_gpus(args)
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
-        stop.arm(world_size=1)
-        status = train(args, launch.Env(rank=0, local_rank=0, world_size=1, device=device), stop, gpus)
+        env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group
+        net.arm(env)
+        status = train(args, env, net, gpus)
     sys.exit(status)
 
 

@@ -19,10 +19,9 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
-from utils import data, flags, launch, metrics, models, precision, stopping, techniques
+from safety_net import SafetyNet
+from utils import data, flags, launch, metrics, models, precision, techniques
 from utils.errors import exit_on_error
-from utils.progress import EpochProgress
-from utils.sharded_checkpoint import ShardedCheckpoint
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -39,21 +38,18 @@ def parse_args(argv=None):
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint):
-    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
+def train_one_epoch(model, criterion, optimizer, loader, device, net):
+    """One epoch, or its rest after a mid-epoch checkpoint; ends early once every rank knows of a stop signal."""
     model.train()
-    for images, targets in progress:
-        images = images.to(env.device, non_blocking=True)
-        targets = targets.to(env.device, non_blocking=True)
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # FSDP reduce-scatters the gradients, stage by stage: each rank gets the average of its shard
         optimizer.step()  # each rank updates its shard of the weights, with its shard of the momentum
-        progress.record(loss)  # summed on the device; every --print-freq steps printed and checked finite
-        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+        if net.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
             return
-        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
-            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
 
 
 def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward: bool) -> nn.Module:
@@ -75,7 +71,7 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward
     return fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
 
 
-def train(args, env, stop) -> int:
+def train(args, env, net) -> int:
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, float16=False)  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
@@ -94,56 +90,44 @@ def train(args, env, stop) -> int:
     techniques.compile_if_asked(model, args)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)  # over the shards: each rank steps its own
-    # each rank writes and reads its own shard of the weights and optimizer (torch.distributed.checkpoint)
-    checkpoint = ShardedCheckpoint(args, env, __file__, precision=amp_dtype, model=model, optimizer=optimizer,
-                                   scheduler=scheduler)
 
-    if args.evaluate:
-        checkpoint.load_weights()
-        results = metrics.evaluate(model, test_loader, env.device, sharded=True)
-        metrics.write_eval(args.output_dir, results, env.is_main)
-        stop.finish()
-        return 0
-    start_epoch, start_step = checkpoint.resume()
-    log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,
-                             steps_per_epoch=train_loader.steps)  # metrics.jsonl, and TensorBoard's events
-    if start_epoch == args.epochs and env.is_main:
-        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
+    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
+        net.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
+        net.write_eval(metrics.evaluate(model, test_loader, env.device, sharded=True))
+        return net.finish()
+    # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
+    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler,
+                             steps_per_epoch=train_loader.steps, precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
-                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint)
+        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
+        train_one_epoch(model, criterion, optimizer, batches, env.device, net)
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-        # every rank forwards as many batches (each forward all-gathers); None if a stop signal comes during it
-        results = None if stop.agreed() else metrics.evaluate(model, test_loader, env.device, stop=stop, sharded=True)
-        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
-            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
-            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
-                                           path=checkpoint.path, is_main=env.is_main)
-        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
-                   "world_size": env.world_size})
+        # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
+        results = metrics.evaluate(model, test_loader, env.device, sharded=True)
+        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return net.save_stopped_run()
+        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        checkpoint.save(epoch=epoch + 1)
-        start_step = 0
-    stop.finish()
-    return 0
+        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return net.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    stop = stopping.StopSignals(watch_launcher=launch.has_torchrun_agent())  # SIGTERM, Ctrl-C, SIGUSR1
+    net = SafetyNet.for_flags(args, __file__, watch_launcher=launch.has_torchrun_agent())  # catches Ctrl-C, SIGTERM
     with exit_on_error():
         flags.check_before_start(args)
         env = launch.this_process(args)  # rank, world size, device and meeting point, from torchrun's environment
         # join the process group: every rank waits here until all env.world_size processes have joined
         dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
                                 timeout=env.timeout)
-        stop.arm(env.world_size)
+        net.arm(env)
         try:
-            status = train(args, env, stop)
+            status = train(args, env, net)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)

@@ -19,10 +19,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
-from utils import data, flags, launch, metrics, models, stopping, techniques
-from utils.checkpoint import Checkpoint
+from safety_net import SafetyNet
+from utils import data, flags, launch, metrics, models, techniques
 from utils.errors import exit_on_error
-from utils.progress import EpochProgress
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -36,12 +35,12 @@ def parse_args(argv=None):
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, accu_steps):
-    """From progress.step to the epoch's end, or to the step at which every rank knows of a stop signal."""
+def train_one_epoch(model, criterion, optimizer, loader, device, net, accu_steps):
+    """One epoch, or its rest after a mid-epoch checkpoint; ends early once every rank knows of a stop signal."""
     model.train()
-    for images, targets in progress:
-        images = images.to(env.device, non_blocking=True)
-        targets = targets.to(env.device, non_blocking=True)
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for i, (x, y) in enumerate(zip(images.chunk(accu_steps), targets.chunk(accu_steps), strict=True)):
@@ -52,14 +51,11 @@ def train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint
                 loss.backward()
             step_loss += loss.detach()  # every micro-batch counts in the logged loss, not just the last
         optimizer.step()
-        progress.record(step_loss)  # summed on the device; every --print-freq steps printed and checked finite
-        if stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+        if net.step_done(step_loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
             return
-        if checkpoint.due(progress.step, progress.total):  # --save-every-steps
-            checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
 
 
-def train(args, env, stop) -> int:
+def train(args, env, net) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size, args.grad_accu_steps)  # in equal micro-batches
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
@@ -80,50 +76,39 @@ def train(args, env, stop) -> int:
     techniques.compile_if_asked(model, args)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
-    checkpoint = Checkpoint(args, env, __file__, model=model, optimizer=optimizer, scheduler=scheduler)
 
-    if args.evaluate:
-        checkpoint.load_weights()
-        results = metrics.evaluate(model.module, test_loader, env.device)
-        metrics.write_eval(args.output_dir, results, env.is_main)
-        stop.finish()
-        return 0
-    start_epoch, start_step = checkpoint.resume()
-    log = metrics.MetricsLog(args, is_main=env.is_main, done_epochs=start_epoch, done_steps=start_step,
-                             steps_per_epoch=train_loader.steps)  # metrics.jsonl, and TensorBoard's events
-    if start_epoch == args.epochs and env.is_main:
-        print(f"nothing left to train: the checkpoint has all {args.epochs} epochs (--evaluate tests it)")
+    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
+        net.load_weights(model)
+        net.write_eval(metrics.evaluate(model.module, test_loader, env.device))
+        return net.finish()
+    # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step)
+    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler, steps_per_epoch=train_loader.steps)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        progress = EpochProgress(train_loader.epoch(epoch, start_step), steps=train_loader.steps, epoch=epoch,
-                                 start_step=start_step, epoch_loss=checkpoint.epoch_loss, env=env, args=args, log=log)
-        train_one_epoch(model, criterion, optimizer, progress, env, stop, checkpoint, args.grad_accu_steps)
-        # the unwrapped module (see metrics.evaluate); None if a stop signal comes during it
-        results = None if stop.agreed() else metrics.evaluate(model.module, test_loader, env.device, stop=stop)
-        if results is None:  # stopped by a signal: a checkpoint of the step every rank reached, then exit
-            checkpoint.save(epoch=epoch, step=progress.step, epoch_loss=progress.loss_so_far())
-            return stop.finish_stopped_run(epoch=epoch, step=progress.step, steps=progress.total,
-                                           path=checkpoint.path, is_main=env.is_main)
-        log.write({"epoch": epoch + 1, "lr": scheduler.get_last_lr()[0], **progress.summary(), **results,
-                   "world_size": env.world_size})
+        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
+        train_one_epoch(model, criterion, optimizer, batches, env.device, net, args.grad_accu_steps)
+        # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
+        results = metrics.evaluate(model.module, test_loader, env.device, stop=net.stop_received)
+        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return net.save_stopped_run()
+        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        checkpoint.save(epoch=epoch + 1)
-        start_step = 0
-    stop.finish()
-    return 0
+        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return net.finish()
 
 
 def worker(local_rank, args):
     """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
-    stop = stopping.StopSignals(watch_launcher=True)  # SIGTERM, Ctrl-C, SIGUSR1, or the parent gone
+    net = SafetyNet.for_flags(args, __file__, watch_launcher=True)  # catches Ctrl-C, SIGTERM, the parent's death
     with exit_on_error():
         env = launch.this_process(args, local_rank)  # rank, world size, device and meeting point (--ip:--port)
         # join the process group: every rank waits here until all env.world_size processes have joined
         dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
                                 timeout=env.timeout)
-        stop.arm(env.world_size)
+        net.arm(env)
         try:
-            status = train(args, env, stop)
+            status = train(args, env, net)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)
@@ -137,7 +122,7 @@ def main(argv=None):
         args.nprocs = args.nprocs or launch.default_nprocs(args.device)
         launch.check_before_spawn(args, __file__)
     # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
-    with launch.spawn_errors(), stopping.forwarded_to_children():
+    with launch.spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
 
 

@@ -2,16 +2,12 @@
 
 On a model without BatchNorm (whose batch statistics would differ per micro-batch), the training
 loop of distributed_gradient_accumulation.py is run on 2 gloo ranks with k = 1 and k = 4."""
-from types import SimpleNamespace
-
 import torch
-from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
+from distributed_helpers import LossesKept, on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_gradient_accumulation as script
-from utils.launch import Env
-from utils.progress import EpochProgress
 
 STEPS, PER_RANK_BATCH = 3, 8
 
@@ -37,13 +33,10 @@ def train_on_rank(rank, world_size, accu_steps):
 
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
-    args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=world_size * PER_RANK_BATCH)
-    progress = EpochProgress(shard, steps=STEPS, epoch=0, env=env, args=args)
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS,
-                           accu_steps)
+    net = LossesKept()
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), net, accu_steps)
     return {"weights": [p.detach().clone() for p in model.parameters()], "all_reduces": len(all_reduces),
-            "loss": progress.summary()["train_loss"]}
+            "loss": sum(net.losses) / len(net.losses)}
 
 
 def test_accumulated_update_equals_the_whole_batch_update(tmp_path):

@@ -5,17 +5,14 @@ train_one_epoch. float64 because float32 cannot settle the question: on a freshl
 ResNet-18 with 8 images, one process's float32 gradients are already up to 7% away from its float64
 gradients (layer4, small-batch BatchNorm), so any two float32 summation orders disagree that much.
 """
-from types import SimpleNamespace
 
 import torch
-from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
+from distributed_helpers import LossesKept, on_ranks
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed as script
-from utils.launch import Env
 from utils.models import resnet18_cifar
-from utils.progress import EpochProgress
 from utils.syncbn import CpuSyncBatchNorm
 
 STEPS, GLOBAL_BATCH = 3, 8
@@ -29,10 +26,7 @@ def batches():
 
 def train(model, data, rank, world_size):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
-    env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
-    args = SimpleNamespace(print_freq=100, epochs=1, lr=0.1, batch_size=GLOBAL_BATCH)
-    progress = EpochProgress(data, steps=STEPS, epoch=0, env=env, args=args)
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env, NEVER_STOPPED, NO_CHECKPOINTS)
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, data, torch.device("cpu"), LossesKept())
     inner = model.module if isinstance(model, DDP) else model
     return {k: v.detach().clone() for k, v in inner.state_dict().items()}
 

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from distributed_helpers import NEVER_STOPPED, NO_CHECKPOINTS, on_ranks
+from distributed_helpers import LossesKept, on_ranks
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -21,7 +21,6 @@ import distributed_fsdp as script
 from utils import checkpoint, models
 from utils.errors import StorageError
 from utils.launch import Env
-from utils.progress import EpochProgress
 from utils.sharded_checkpoint import ShardedCheckpoint
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -60,14 +59,11 @@ def fresh_model():
     return CpuSyncBatchNorm.convert_sync_batchnorm(models.resnet18_cifar()).double()
 
 
-def train_steps(model, optimizer, rank, world_size, steps: slice, start_step=0):
+def train_steps(model, optimizer, rank, world_size, steps: slice):
     """The script's train_one_epoch over the global batches batches()[steps], dealt rank::world_size as
     the sampler deals them."""
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in batches()[steps]]
-    progress = EpochProgress(shard, steps=STEPS, epoch=0, start_step=start_step, env=env_of(rank, world_size),
-                             args=run_args())
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, progress, env_of(rank, world_size),
-                           NEVER_STOPPED, NO_CHECKPOINTS)
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), LossesKept())
 
 
 def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False):
@@ -79,7 +75,7 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     checkpoint = ShardedCheckpoint(args, env_of(rank, world_size), "distributed_fsdp.py", model=model,
                                    optimizer=optimizer, scheduler=scheduler)
     epoch, step = checkpoint.resume()
-    train_steps(model, optimizer, rank, world_size, slice(step, step + 1), start_step=step)
+    train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)
     momentum = optimizer.state_dict()["state"][0]["momentum_buffer"]  # conv1's
     return {"resumed_at": (epoch, step), "state": full_state(model), "momentum_rows": momentum.to_local().shape[0],

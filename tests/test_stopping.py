@@ -197,22 +197,35 @@ def test_the_ranks_agree_on_the_same_step(tmp_path):
     assert results == [(4, "SIGUSR1")] * 3  # read at the poll after the one that carried it
 
 
-class StopAt:
-    """A stand-in for StopSignals in a world of one, agreeing at a given poll."""
-
-    def __init__(self, poll: int):
-        self.polls, self.at = 0, poll
-
-    def agreed(self) -> bool:
-        self.polls += 1
-        return self.polls > self.at
-
-
-def test_evaluation_gives_way_to_a_stop_signal():
+def evaluate_with_a_signal_to_rank_1(rank, world_size, signalled: bool):
+    """Between epochs: an agreement in flight from the last step, then the evaluation, in which rank 1 alone
+    knows of a signal and leaves, then the agreement every rank calls. Returns what each rank saw."""
+    stop = StopSignals()
+    stop.arm(world_size)
+    stop.agreed()  # the last training step's all-reduce, still in flight
+    if signalled and rank == 1:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.5)  # the watching thread records it
+    torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5))
     loader = [(torch.randn(4, 3, 2, 2), torch.randint(0, 5, (4,))) for _ in range(3)]
-    assert metrics.evaluate(model, loader, torch.device("cpu"), stop=StopAt(2)) is None
-    assert metrics.evaluate(model, loader, torch.device("cpu"), stop=StopAt(5))["samples"] == 12
+    results = metrics.evaluate(model, loader, torch.device("cpu"), stop=lambda: bool(stop.received))
+    agreed = stop.agree_now()
+    stop.finish()
+    return results["samples"], agreed, stop.name
+
+
+@pytest.mark.parametrize("signalled", [True, False])
+def test_evaluation_gives_way_to_a_signal_on_one_rank_and_all_ranks_agree(signalled, tmp_path):
+    results = on_ranks(2, evaluate_with_a_signal_to_rank_1, signalled, results_dir=tmp_path)
+    # rank 1 evaluated nothing (12 of 24 images counted), and both ranks stop; without a signal, all 24
+    assert results == ([(12, True, "SIGUSR1")] * 2 if signalled else [(24, False, "")] * 2)
+
+
+def test_a_sharded_evaluation_cannot_be_cut_short_on_one_rank():
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5))
+    with pytest.raises(ValueError, match="sharded"):
+        metrics.evaluate(model, [], torch.device("cpu"), stop=lambda: False, sharded=True)
 
 
 def handles_sigterm(launcher_pid: int) -> bool:

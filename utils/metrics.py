@@ -14,9 +14,14 @@ from utils.errors import StorageError
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None,
-             sharded: bool = False) -> dict | None:
-    """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size; None when
-    a stop signal came (`stop`: utils.stopping.StopSignals, asked once per batch on every rank).
+             sharded: bool = False) -> dict:
+    """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size (collective:
+    one all-reduce of the counts; sharded, also an all-gather in every forward).
+
+    stop: a function of no arguments asked before each batch, on this rank only (SafetyNet.stop_received):
+    once it says yes this rank stops evaluating, and the results are partial; the caller then agrees with
+    the other ranks whether to stop (SafetyNet.all_ranks_agree_to_stop). Not with sharded=True, where a
+    rank that left early would leave the others waiting in their all-gathers.
 
     Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
     and DDP's forward would wait on the others at a step they never take. Each rank counts hits and
@@ -35,14 +40,14 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
         first = next(batches, None)
         empty = _empty_batch(first, device)
         batches = itertools.chain([first] if first is not None else [], batches)
-    for _ in range(_most_batches_of_any_rank(loader, device) if stop or sharded else len(loader)):
-        if stop and stop.agreed():
-            return None
+    if stop is not None and sharded:
+        raise ValueError("evaluate: a sharded model's ranks must forward together; stop cannot end one early")
+    for _ in range(_most_batches_of_any_rank(loader, device) if sharded else len(loader)):
+        if stop is not None and stop():  # a stop signal: this rank leaves, the caller agrees with the others
+            break
         images, targets = next(batches, (None, None))
-        if images is None and sharded:  # this rank's shard is shorter: it still takes part in the all-gathers
+        if images is None:  # this rank's shard is shorter: it still takes part in the all-gathers
             images, targets = empty
-        elif images is None:  # this rank's shard is one batch shorter: it still asks about stopping
-            continue
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with amp:
@@ -67,7 +72,7 @@ def _empty_batch(first, device: torch.device) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _most_batches_of_any_rank(loader, device: torch.device) -> int:
-    """Shards differ by one sample, so their batch counts by up to one; stop.agreed() needs the same count."""
+    """Shards differ by one sample, so their batch counts by up to one; a sharded model forwards as many on each."""
     return int(collectives.all_reduce_max(torch.tensor([len(loader)], device=device)).item())
 
 

@@ -15,12 +15,12 @@ from utils.errors import Diverged
 
 
 class EpochProgress:
-    """Iterate over one epoch's batches, from `start_step` on; on a mid-epoch resume carry on the
-    epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
+    """One epoch's progress from `start_step` on, its clock started when made; on a mid-epoch resume it
+    carries on the epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
-    def __init__(self, batches, *, steps: int, epoch: int, env, args, start_step: int = 0,
+    def __init__(self, *, steps: int, epoch: int, env, args, start_step: int = 0,
                  epoch_loss: tuple[float, float] = (0.0, 0.0), log=None):
-        self.batches, self.env, self.print_freq, self.lr = batches, env, args.print_freq, args.lr
+        self.env, self.print_freq, self.lr = env, args.print_freq, args.lr
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
         self.global_batch, self.log = args.batch_size, log  # log: metrics.MetricsLog, for TensorBoard
         loss_sum, count = epoch_loss if start_step else (0.0, 0.0)
@@ -31,17 +31,11 @@ class EpochProgress:
         bar_wanted = env.is_main and sys.stderr.isatty()
         self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{args.epochs}",
                         leave=False, dynamic_ncols=True) if bar_wanted else None
-
-    def __iter__(self):
-        if self.env.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.env.device)
+        if env.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(env.device)
         self.allreduces_at_start = techniques.grad_allreduces()
         self.start = time.perf_counter()
-        yield from self.batches
-        # the clock stops when the last step's work is done: the scripts evaluate before they log
-        if self.env.device.type == "cuda":
-            torch.cuda.synchronize(self.env.device)
-        self.end = time.perf_counter()
+        self.end = None  # when the epoch's last step was done
 
     def record(self, loss: torch.Tensor) -> None:
         """Call once per optimizer step, on every rank, with that step's mean training loss. Every
@@ -53,6 +47,10 @@ class EpochProgress:
         self.step += 1
         if self.bar:
             self.bar.update(1)
+        if self.step == self.total:  # the clock stops when the last step's work is done (evaluation comes next)
+            if self.env.device.type == "cuda":
+                torch.cuda.synchronize(self.env.device)
+            self.end = time.perf_counter()
         if self.step % self.print_freq and self.recorded > 1:  # and each epoch's first step: a line within seconds
             return
         step_loss, epoch_sum = (collectives.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
@@ -88,7 +86,7 @@ class EpochProgress:
         """Mean training loss over all ranks and steps, time and throughput (one all-reduce), this
         rank's gradient all-reduces per optimizer step and its peak memory."""
         loss_sum, count = self.loss_so_far()
-        seconds = self.end - self.start
+        seconds = (self.end or time.perf_counter()) - self.start
         if self.bar:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,

@@ -88,6 +88,22 @@ class StopSignals:
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
 
+    def agree_now(self) -> bool:
+        """True on every rank iff some rank got a stop signal by now: the all-reduce in flight is waited for,
+        then one more, blocking (between epochs, where a step's worth of delay would cost an evaluation)."""
+        if self.signum:
+            return True
+        if self._group is None:
+            self.signum = self.received
+            return bool(self.signum)
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        self._flag.fill_(max(self.received, int(self._flag.item())))
+        dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
+        self.signum = int(self._flag.item())
+        return bool(self.signum)
+
     def finish_stopped_run(self, *, epoch: int, step: int, steps: int, path: str, is_main: bool) -> int:
         """After the checkpoint of the agreed step: wait until every rank is here (so none exits while rank 0
         still writes), rank 0 says what stopped the run and where it continues, and on SIGUSR1 under SLURM

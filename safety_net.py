@@ -1,0 +1,163 @@
+"""The run's safety net in one object, called by a script at a few named places: checkpoints and resume,
+stop signals and preemption, the divergence guard, the output directory's lock, progress lines and
+metrics.jsonl (and TensorBoard events). Delete those calls from a copy of a script and it still trains.
+
+Every method that communicates with the other ranks says so in the first line of its docstring, and
+every rank calls it at the same line of the script: moved onto one rank's path, it would hang the others.
+
+    net = SafetyNet.for_flags(args, __file__)   # first thing: stop signals are caught from here on
+    net.arm(env)                                # once the process group exists
+    start_epoch = net.resume(model=..., optimizer=..., scheduler=..., steps_per_epoch=...)
+    for epoch in range(start_epoch, epochs):
+        start_step = net.start_epoch(epoch)     # 0, or the step a mid-epoch checkpoint reached
+        for images, targets in loader:
+            ...
+            if net.step_done(loss):             # True once every rank knows of a stop signal
+                break
+        results = metrics.evaluate(..., stop=net.stop_received)
+        if net.all_ranks_agree_to_stop():
+            return net.save_stopped_run()
+        net.end_epoch(results, lr)
+        scheduler.step()
+        net.save(epoch + 1)
+    return net.finish()
+"""
+from types import SimpleNamespace
+
+import torch
+
+from utils import checkpoint as checkpoints
+from utils import metrics, stopping
+from utils.progress import EpochProgress
+from utils.sharded_checkpoint import ShardedCheckpoint
+
+
+class SafetyNet:
+    """One run's checkpoints, stop signals, progress and metrics; every value it needs is given to it."""
+
+    def __init__(self, script: str, *, output_dir: str, epochs: int, global_batch: int, lr: float, seed: int,
+                 run_flags: dict, print_freq: int = 50, keep: int = 2, save_every_steps: int = 0,
+                 resume: str | None = None, restart: bool = False, init_from: str | None = None,
+                 tensorboard: bool = False, sharded: bool = False, watch_launcher: bool = False):
+        """Catches SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 from now on: make it first, in every process of the run.
+
+        script: the training script's path, recorded in each checkpoint (one continues only its own run).
+        run_flags: the flag values that define the run ({"seed": 0, "lr": 0.1, ...}); a checkpoint of a run
+        with other values is refused. sharded: write sharded checkpoints (FSDP). watch_launcher: also stop
+        when the process that started this one dies (torchrun's agent, the spawn parent)."""
+        # what utils.checkpoint reads, under its flags' names (run_flags among them)
+        self.options = SimpleNamespace(**{
+            **run_flags, "output_dir": output_dir, "epochs": epochs, "batch_size": global_batch, "lr": lr,
+            "seed": seed, "print_freq": print_freq, "keep": keep, "save_every_steps": save_every_steps,
+            "resume": resume, "restart": restart, "init_from": init_from, "tensorboard": tensorboard,
+            "evaluate": False, "checkpoint_format": "sharded" if sharded else "file"})
+        self.script, self.sharded = script, sharded
+        self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
+        self.env = self.checkpoint = self.log = self.progress = None
+        self.start_at = (0, 0)  # (epoch, step) the run continues from
+        self.steps_per_epoch = 0
+
+    @classmethod
+    def for_flags(cls, args, script: str, watch_launcher: bool = False) -> "SafetyNet":
+        """The net for the scripts' flags (utils.flags): the one place that reads them for it."""
+        return cls(script, output_dir=args.output_dir, epochs=args.epochs, global_batch=args.batch_size, lr=args.lr,
+                   seed=args.seed, run_flags=checkpoints.run_flags(args), print_freq=args.print_freq, keep=args.keep,
+                   save_every_steps=args.save_every_steps, resume=args.resume, restart=args.restart,
+                   init_from=args.init_from, tensorboard=args.tensorboard,
+                   sharded=checkpoints.is_sharded(args), watch_launcher=watch_launcher)
+
+    @staticmethod
+    def stop_signals_passed_to_ranks():
+        """A context for a process that starts the ranks itself (mp.spawn): each stop signal it gets goes on to
+        the ranks, which save and exit, and it waits for them (a killed parent would orphan them)."""
+        return stopping.forwarded_to_children()
+
+    def arm(self, env) -> None:
+        """Every rank, once the process group exists (collective: makes the stop agreement's gloo group)."""
+        self.env = env
+        self.stop.arm(env.world_size)
+
+    def _checkpoints(self, precision, parts: dict):
+        kind = ShardedCheckpoint if self.sharded else checkpoints.Checkpoint
+        return kind(self.options, self.env, self.script, precision=precision, **parts)
+
+    def load_weights(self, model, precision: torch.dtype | None = None) -> None:
+        """For --evaluate: the weights of <output-dir>'s newest checkpoint into the model (sharded: every rank
+        reads its shards, a collective)."""
+        self.options.evaluate = True
+        self._checkpoints(precision, {"model": model}).load_weights()
+
+    def write_eval(self, results: dict) -> None:
+        """Rank 0 writes <output-dir>/eval.json and prints the results."""
+        metrics.write_eval(self.options.output_dir, results, self.env.is_main)
+
+    def resume(self, *, steps_per_epoch: int, precision: torch.dtype | None = None, **parts) -> int:
+        """Every rank (collectives: the output directory's lock agreed, weights broadcast when sharded): take
+        <output-dir>, and restore every part (model=, optimizer=, scheduler=, scaler=) from its newest
+        checkpoint, or the weights of --init-from for a new run. Returns the epoch to start at.
+        precision: the autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
+        self.checkpoint = self._checkpoints(precision, parts)
+        self.start_at = self.checkpoint.resume()
+        self.steps_per_epoch = steps_per_epoch
+        self.log = metrics.MetricsLog(self.options, is_main=self.env.is_main, done_epochs=self.start_at[0],
+                                      done_steps=self.start_at[1], steps_per_epoch=steps_per_epoch)
+        if self.start_at[0] == self.options.epochs and self.env.is_main:
+            print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
+        return self.start_at[0]
+
+    def start_epoch(self, epoch: int) -> int:
+        """Starts the epoch's clock and loss; returns the step to start from: 0, or on the epoch a mid-epoch
+        checkpoint was written in, the step it reached (the loader leaves out the batches before it)."""
+        start_step = self.start_at[1] if epoch == self.start_at[0] else 0
+        self.progress = EpochProgress(steps=self.steps_per_epoch, epoch=epoch, env=self.env, args=self.options,
+                                      start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log)
+        return start_step
+
+    def step_done(self, loss: torch.Tensor) -> bool:
+        """Every rank, after each optimizer step (collectives: the stop flag all-reduced every step on a gloo
+        group of its own, the loss every --print-freq steps, a checkpoint every --save-every-steps). The loss is
+        summed on the device; a non-finite one stops the run (Diverged). True once every rank knows of a stop
+        signal: leave the epoch's loop."""
+        progress = self.progress
+        progress.record(loss)
+        if self.stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
+            return True
+        if self.checkpoint.due(progress.step, progress.total):  # --save-every-steps
+            epoch_loss = progress.loss_so_far()
+            self.checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=epoch_loss)
+        return False
+
+    def stop_received(self) -> bool:
+        """Whether this process got a stop signal: a local check, for loops every rank may leave at its own
+        step (the evaluation); all_ranks_agree_to_stop() then makes it everyone's."""
+        return bool(self.stop.signum or self.stop.received)
+
+    def all_ranks_agree_to_stop(self) -> bool:
+        """Every rank (collective: an all-reduce of the stop flag): whether any rank got a stop signal."""
+        return self.stop.agree_now()
+
+    def save_stopped_run(self) -> int:
+        """Every rank (collectives: the epoch's loss all-reduced, the checkpoint's checks, a barrier): the
+        checkpoint of the step every rank reached, then rank 0 says how to continue. Returns the exit status."""
+        progress = self.progress
+        self.checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+        return self.stop.finish_stopped_run(epoch=progress.epoch, step=progress.step, steps=progress.total,
+                                            path=self.checkpoint.path, is_main=self.env.is_main)
+
+    def end_epoch(self, results: dict, lr: float) -> None:
+        """Every rank (collective: the epoch's loss all-reduced): rank 0 writes the epoch's line of
+        metrics.jsonl (and TensorBoard events) and prints it."""
+        self.log.write({"epoch": self.progress.epoch + 1, "lr": lr, **self.progress.summary(), **results,
+                        "world_size": self.env.world_size})
+
+    def save(self, epochs_done: int) -> None:
+        """Every rank (collectives: the weights checked finite on every rank, rank 0's write agreed): the
+        checkpoint after `epochs_done` epochs; weights that are not finite stop the run and overwrite nothing."""
+        self.checkpoint.save(epoch=epochs_done)
+
+    def finish(self) -> int:
+        """Every rank, at the end (collective: a barrier after the stop flag's last all-reduce): returns 0."""
+        self.stop.finish()
+        if self.progress is not None and self.progress.bar:
+            self.progress.bar.close()
+        return 0
