@@ -63,7 +63,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net, scaler):
 
 
 def train(args, env, net, gpus) -> int:
-    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main)  # None: float32 (--opt-level O0)
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, net.recorded_precision())  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
@@ -141,7 +141,7 @@ def main(argv=None):
     args = parse_args(argv)
     net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
     with exit_on_error():
-        flags.check_before_start(args)
+        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         gpus = choose_gpus(args)
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group

@@ -87,7 +87,7 @@ def main(argv=None):
     args = parse_args(argv)
     net = SafetyNet.for_flags(args, __file__, watch_launcher=launch.has_torchrun_agent())  # catches Ctrl-C, SIGTERM
     with exit_on_error():
-        flags.check_before_start(args)
+        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         env = launch.this_process(args)  # rank, world size, device and meeting point, from torchrun's environment
         # join the process group: every rank waits here until all env.world_size processes have joined
         dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,

@@ -50,7 +50,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net, amp_dtype,
 
 
 def train(args, env, net) -> int:
-    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main)  # None: float32
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, net.recorded_precision())  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
@@ -118,7 +118,8 @@ def main(argv=None):
         return worker(None, args)
     with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
         args.nprocs = args.nprocs or launch.default_nprocs(args.device)
-        launch.check_before_spawn(args, __file__)
+        launch.check_before_spawn(args)
+        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
     # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
     with launch.spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

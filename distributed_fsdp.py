@@ -5,7 +5,7 @@ Each of the N ranks holds 1/N of the weights, gradients and optimizer state.
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
-    python -m utils.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp     # one file of the sharded checkpoint
+    python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
 
 It trains the model of distributed.py to the same weights (tests/test_fsdp.py); what it changes is what a
 rank holds and what it communicates: docs/sharding.md.
@@ -72,7 +72,8 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward
 
 
 def train(args, env, net) -> int:
-    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, float16=False)  # None: float32
+    # None: float32; no float16, which would need loss scaling across the shards
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, net.recorded_precision(), float16=False)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
@@ -120,7 +121,7 @@ def main(argv=None):
     args = parse_args(argv)
     net = SafetyNet.for_flags(args, __file__, watch_launcher=launch.has_torchrun_agent())  # catches Ctrl-C, SIGTERM
     with exit_on_error():
-        flags.check_before_start(args)
+        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         env = launch.this_process(args)  # rank, world size, device and meeting point, from torchrun's environment
         # join the process group: every rank waits here until all env.world_size processes have joined
         dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,

@@ -15,9 +15,9 @@ import time
 import torch
 from torch import nn
 
+from safety_net.progress import peak_memory_mb
 from utils import models
 from utils.data import NUM_CLASSES
-from utils.progress import peak_memory_mb
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

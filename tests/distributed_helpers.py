@@ -16,7 +16,7 @@ class LossesKept:
         self.losses = []
 
     def step_done(self, loss: torch.Tensor) -> bool:
-        self.losses.append(float(loss))
+        self.losses.append(float(loss.detach()))
         return False
 
 

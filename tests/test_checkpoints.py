@@ -15,7 +15,8 @@ from conftest import ROOT, TINY, check, launcher, load_checkpoint, read_metrics,
 from processes import Run, alive, process_tree
 from torch import nn
 
-from utils import checkpoint, models, precision
+from safety_net import checkpoint
+from utils import models, precision
 from utils.errors import StorageError, UsageError
 
 CPU = torch.device("cpu")
@@ -81,14 +82,19 @@ def write_checkpoint(tmp_path, precision_name, **resolved):
     return args
 
 
+def resolved_dtype(args):
+    """What the scripts' autocast_dtype line gives for these flags and <output-dir>'s checkpoint."""
+    return precision.autocast_dtype(args, CPU, is_main=True, recorded=checkpoint.recorded_precision(args))
+
+
 def test_auto_on_resume_keeps_the_precision_the_checkpoint_trained_in(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: True)  # a new run here: bfloat16
     args = write_checkpoint(tmp_path, "float16")  # as a GPU would have written it
-    assert precision.autocast_dtype(args, CPU, is_main=True) is torch.float16
+    assert resolved_dtype(args) is torch.float16
     said = capsys.readouterr().err
     assert "continuing in float16" in said and "would pick bfloat16" in said
     args.amp_dtype = "float16"  # named, and the same: nothing to say
-    assert precision.autocast_dtype(args, CPU, is_main=True) is torch.float16
+    assert resolved_dtype(args) is torch.float16
     assert capsys.readouterr().err == ""
 
 
@@ -98,7 +104,7 @@ def test_another_precision_on_resume_is_refused_naming_the_flag(tmp_path, opt_le
     args = write_checkpoint(tmp_path, "float16")
     args.opt_level, args.amp_dtype = opt_level, amp_dtype
     with pytest.raises(UsageError) as refused:
-        precision.autocast_dtype(args, CPU, is_main=True)
+        resolved_dtype(args)
     assert "trained in float16" in str(refused.value) and f"without {flag}" in str(refused.value)
     assert "--init-from" in str(refused.value)
 
@@ -107,9 +113,9 @@ def test_a_new_run_or_evaluate_does_not_look_at_the_old_precision(tmp_path, monk
     monkeypatch.setattr(precision, "cpu_has_native_bfloat16", lambda: True)
     args = write_checkpoint(tmp_path, "float16")
     args.restart = True
-    assert precision.autocast_dtype(args, CPU, is_main=True) is torch.bfloat16
+    assert resolved_dtype(args) is torch.bfloat16
     args.restart, args.evaluate = False, True
-    assert precision.autocast_dtype(args, CPU, is_main=True) is torch.bfloat16
+    assert resolved_dtype(args) is torch.bfloat16
 
 
 def test_keep_rotates_and_a_truncated_newest_falls_back_to_the_one_before(tmp_path, capsys):
@@ -226,7 +232,7 @@ def test_a_truncated_newest_checkpoint_costs_one_epoch_and_init_from_starts_a_ne
 
 
 def test_the_lock_is_released_when_its_holder_is_killed(tmp_path):
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from utils import checkpoint; "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from safety_net import checkpoint; "
                                f"checkpoint.lock_output_dir({str(tmp_path)!r}); print('held', flush=True); "
                                "time.sleep(60)"], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:

@@ -18,10 +18,11 @@ from torch.distributed.fsdp import fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
-from utils import checkpoint, models
+from safety_net import checkpoint
+from safety_net.sharded_checkpoint import ShardedCheckpoint
+from utils import models
 from utils.errors import StorageError
 from utils.launch import Env
-from utils.sharded_checkpoint import ShardedCheckpoint
 from utils.syncbn import CpuSyncBatchNorm
 
 STEPS, GLOBAL_BATCH = 3, 12

@@ -10,8 +10,8 @@ import torch
 from conftest import check, launcher, read_metrics, run
 from processes import Run, rank_process
 
-from utils import checkpoint, sharded_checkpoint
-from utils.sharded_checkpoint import to_single_file
+from safety_net import checkpoint, sharded_checkpoint
+from safety_net.sharded_checkpoint import to_single_file
 
 # One epoch of 6 steps of a global batch of 16 in float32 (reproducible to the bit at one world size), a
 # test set that 3 ranks split 6/5/5.
@@ -79,7 +79,8 @@ def test_a_stop_signal_then_a_rank_killed_mid_save_and_the_same_command_continue
 def test_a_sharded_checkpoint_made_one_file_evaluates_exactly_in_other_scripts_and_world_sizes(reference, tmp_path,
                                                                                                capsys):
     trained = read_metrics(reference)[-1]
-    command = [str(reference / "checkpoint.dcp"), str(tmp_path / "checkpoint.pt")]  # python -m utils.sharded_checkpoint
+    # the arguments of python -m safety_net.sharded_checkpoint
+    command = [str(reference / "checkpoint.dcp"), str(tmp_path / "checkpoint.pt")]
     (tmp_path / "checkpoint.1.pt").write_bytes(b"another run's")  # a file of its own: the rotation leaves this be
     with pytest.raises(SystemExit) as exited:
         sharded_checkpoint.main(command)

@@ -24,7 +24,7 @@ def test_nccl_run_under_torchrun(script, tmp_path):
 
 @needs_gpu
 def test_fsdp_under_torchrun_trains_in_its_bfloat16_policy_and_its_shards_evaluate(tmp_path):
-    from utils import checkpoint
+    from safety_net import checkpoint
     nprocs = min(GPUS, 2)
     gpus = ",".join(map(str, range(nprocs)))
     check(run(launcher("torchrun", "distributed_fsdp.py", nprocs) + TINY + ["--device", "cuda", "--output-dir",

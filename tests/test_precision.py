@@ -53,7 +53,8 @@ def test_opt_levels_torch_amp_has_not_are_refused_with_the_reason(text, says):
 
 def test_dataparallel_autocast_is_inside_the_forward_and_the_checkpoint_holds_the_bare_weights():
     import dataparallel
-    from utils import checkpoint, models
+    from safety_net import checkpoint
+    from utils import models
     model = models.resnet18_cifar()
     images = torch.randn(2, 3, 32, 32)
     assert dataparallel.AutocastInForward(model, torch.bfloat16)(images).dtype == torch.bfloat16

@@ -12,7 +12,7 @@ import torch
 from conftest import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
 from torch import nn
 
-from utils import checkpoint
+from safety_net import checkpoint
 from utils.errors import UsageError
 
 # 2 epochs of 6 steps, a checkpoint every 2 steps; lr 0.01 keeps float32 runs at other world sizes close

@@ -14,9 +14,9 @@ from conftest import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 from distributed_helpers import on_ranks
 from processes import Run, alive, process_tree, rank_process
 
+from safety_net.stopping import StopSignals
 from utils import metrics
 from utils.launch import free_port
-from utils.stopping import StopSignals
 
 # One epoch of 6 steps: a stop lands mid-epoch, and the continued run has steps left to prove it right.
 RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",

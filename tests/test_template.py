@@ -1,4 +1,4 @@
-"""Copying a script as a template (docs/template.md): distributed.py, safety_net.py and utils/ copied, and only the two
+"""Copying a script as a template (docs/template.md): distributed.py, safety_net/ and utils/ copied, and only the two
 functions the page names replaced, one by another torchvision model, the other by an image folder of PNG
 files. The copy trains under torchrun on 2 CPU ranks, stops on Ctrl-C with a checkpoint, continues, and
 evaluates exactly at another world size."""
@@ -56,7 +56,7 @@ def template(tmp_path) -> Path:
     copy = tmp_path / "my_project"
     copy.mkdir()
     shutil.copy(ROOT / "distributed.py", copy)
-    shutil.copy(ROOT / "safety_net.py", copy)
+    shutil.copytree(ROOT / "safety_net", copy / "safety_net", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
     replace_function(copy / "utils" / "models.py", "resnet18_cifar", MODEL)
     replace_function(copy / "utils" / "data.py", "datasets", DATA)

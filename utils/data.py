@@ -18,8 +18,9 @@ import torchvision
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from utils import collectives, stopping
+from utils import collectives
 from utils.errors import UsageError
+from utils.workers import WorkersForkedWithSignalsHeld, leave_stop_signals_to_the_rank
 
 NUM_CLASSES = 100
 MEAN = (0.5071, 0.4865, 0.4409)  # per-channel statistics of the CIFAR-100 training set
@@ -187,7 +188,7 @@ def worker_options(workers: int) -> dict:
     if workers == 0:
         return {}
     return {"num_workers": workers, "multiprocessing_context": WORKER_START_METHOD, "persistent_workers": True,
-            "worker_init_fn": stopping.leave_stop_signals_to_the_rank}
+            "worker_init_fn": leave_stop_signals_to_the_rank}
 
 
 class SkipFirst(Sampler):
@@ -217,7 +218,7 @@ class TrainLoader:
     def __init__(self, dataset: Images, sampler: DistributedSampler, per_rank_batch: int, workers: int, pin: bool):
         self.dataset, self.per_rank_batch = dataset, per_rank_batch
         self.sampler = SkipFirst(sampler)
-        self.loader = stopping.WorkersForkedWithSignalsHeld(DataLoader(
+        self.loader = WorkersForkedWithSignalsHeld(DataLoader(
             dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True, **worker_options(workers)))
         self.steps = _whole_batches(sampler, per_rank_batch)
 
@@ -246,7 +247,7 @@ def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size:
     """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return stopping.WorkersForkedWithSignalsHeld(DataLoader(
+    return WorkersForkedWithSignalsHeld(DataLoader(
         shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers)))
 
 

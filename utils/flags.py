@@ -6,9 +6,8 @@ import os
 import re
 import socket
 import sys
-import tempfile
 
-from utils import checkpoint, techniques
+from utils import techniques
 from utils.errors import UsageError
 
 
@@ -172,30 +171,6 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
     if getattr(args, "node_rank", 0) >= getattr(args, "nnodes", 1):
         parser.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
     return args
-
-
-def check_before_start(args) -> None:
-    """Checks of the flags that need the file system or the network, before any process starts or any
-    data loads, creating nothing: the output directory can be written (or made) and no other run holds
-    it, --init-from names a file, and --ip resolves."""
-    if not args.output_dir.strip():
-        raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
-    path = os.path.abspath(args.output_dir)
-    existing = path
-    while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):  # a write, not os.access: root passes that on a read-only disk
-            pass
-    except OSError as error:
-        raise UsageError(f"--output-dir {args.output_dir}: cannot write in {existing} ({error.strerror})") from None
-    check_address(getattr(args, "ip", None))
-    if not args.evaluate:
-        checkpoint.check_output_dir_free(args.output_dir)  # another run holds it: stop before starting anything
-    if args.init_from and not os.path.exists(args.init_from):
-        raise UsageError(f"--init-from {args.init_from}: no such file")
 
 
 def per_rank_batch(global_batch: int, world_size: int, accu_steps: int = 1) -> int:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils import checkpoint, flags
+from utils import flags
 from utils.errors import UsageError
 
 
@@ -70,6 +70,7 @@ def this_process(args, local_rank: int | None = None) -> Env:
     `python script.py` is a world of one). Otherwise: started by mp.spawn as process `local_rank`."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
+    flags.check_address(args.ip)
     timeout = datetime.timedelta(seconds=args.dist_timeout)
     if local_rank is None and "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         # srun started this process, no launcher: SLURM says who we are, node 0's first host hosts the store
@@ -188,14 +189,13 @@ def prepare_rendezvous(args) -> None:
             check_port_free(args.ip, args.port)
 
 
-def check_before_spawn(args, script: str) -> None:
+def check_before_spawn(args) -> None:
     """Everything that can be wrong with a spawn launch, checked before any process starts: the job's
-    shape against the GPUs, the batch split, the output directory and --ip, the checkpoint a
-    resume or --evaluate would read; on node 0, the rendezvous port (a free one if --port is not given)."""
+    shape against the GPUs, the batch split, --ip; on node 0, the rendezvous port
+    (a free one if --port is not given)."""
     check_launch(args, local_processes=args.nprocs)
     flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
-    flags.check_before_start(args)
-    checkpoint.check_before_start(args, script)
+    flags.check_address(args.ip)
     prepare_rendezvous(args)
 
 

@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from utils import checkpoint, launch
+from utils import launch
 from utils.errors import UsageError
 
 OPT_LEVELS = {"O0": "float32", "O1": "mixed precision (autocast)"}
@@ -92,17 +92,20 @@ def default_precision(device: torch.device, float16: bool = True) -> str:
     return "bfloat16" if cpu_has_native_bfloat16() else "float32"
 
 
-def autocast_dtype(args, device: torch.device, is_main: bool, float16: bool = True) -> torch.dtype | None:
+def autocast_dtype(args, device: torch.device, is_main: bool, recorded: tuple[str | None, str | None] = (None, None),
+                   float16: bool = True) -> torch.dtype | None:
     """The dtype autocast runs matrix products and convolutions in, None for float32.
 
     A new run: --opt-level O0 is float32, an explicit --amp-dtype is that dtype, and auto is
     default_precision (rank 0 says in one line when a CPU without native bfloat16 makes it float32).
-    A resumed run keeps the precision its checkpoint trained in: auto takes it (said in one line where
-    this device alone would pick another), and an explicit other one is refused (UsageError): it would
-    change the arithmetic mid-run. float16=False: auto never picks float16 (a script without loss scaling)."""
+    A resumed run keeps the precision its checkpoint trained in (`recorded`: that precision and the
+    checkpoint's path, from SafetyNet.recorded_precision(); (None, None) for a new run): auto takes it (said
+    in one line where this device alone would pick another), and an explicit other one is refused
+    (UsageError): it would change the arithmetic mid-run. float16=False: auto never picks float16 (a script
+    without loss scaling)."""
     default = default_precision(device, float16)
     asked = "float32" if args.opt_level == "O0" else None if args.amp_dtype == "auto" else args.amp_dtype
-    trained, path = checkpoint.recorded_precision(args)
+    trained, path = recorded
     if trained:
         if asked and asked != trained:
             flag = "--opt-level O0" if asked == "float32" else f"--amp-dtype {asked}"

@@ -26,10 +26,10 @@ from types import SimpleNamespace
 
 import torch
 
-from utils import checkpoint as checkpoints
-from utils import metrics, stopping
-from utils.progress import EpochProgress
-from utils.sharded_checkpoint import ShardedCheckpoint
+from safety_net import checkpoint as checkpoints
+from safety_net import metrics_log, stopping
+from safety_net.progress import EpochProgress
+from safety_net.sharded_checkpoint import ShardedCheckpoint
 
 
 class SafetyNet:
@@ -38,19 +38,21 @@ class SafetyNet:
     def __init__(self, script: str, *, output_dir: str, epochs: int, global_batch: int, lr: float, seed: int,
                  run_flags: dict, print_freq: int = 50, keep: int = 2, save_every_steps: int = 0,
                  resume: str | None = None, restart: bool = False, init_from: str | None = None,
-                 tensorboard: bool = False, sharded: bool = False, watch_launcher: bool = False):
+                 tensorboard: bool = False, evaluate: bool = False, sharded: bool = False,
+                 watch_launcher: bool = False):
         """Catches SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 from now on: make it first, in every process of the run.
 
         script: the training script's path, recorded in each checkpoint (one continues only its own run).
         run_flags: the flag values that define the run ({"seed": 0, "lr": 0.1, ...}); a checkpoint of a run
-        with other values is refused. sharded: write sharded checkpoints (FSDP). watch_launcher: also stop
+        with other values is refused. evaluate: the run only tests the newest checkpoint's weights (--evaluate).
+        sharded: write sharded checkpoints (FSDP). watch_launcher: also stop
         when the process that started this one dies (torchrun's agent, the spawn parent)."""
-        # what utils.checkpoint reads, under its flags' names (run_flags among them)
+        # what safety_net.checkpoint reads, under its flags' names (run_flags among them)
         self.options = SimpleNamespace(**{
             **run_flags, "output_dir": output_dir, "epochs": epochs, "batch_size": global_batch, "lr": lr,
             "seed": seed, "print_freq": print_freq, "keep": keep, "save_every_steps": save_every_steps,
             "resume": resume, "restart": restart, "init_from": init_from, "tensorboard": tensorboard,
-            "evaluate": False, "checkpoint_format": "sharded" if sharded else "file"})
+            "evaluate": evaluate, "checkpoint_format": "sharded" if sharded else "file"})
         self.script, self.sharded = script, sharded
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
         self.env = self.checkpoint = self.log = self.progress = None
@@ -63,8 +65,23 @@ class SafetyNet:
         return cls(script, output_dir=args.output_dir, epochs=args.epochs, global_batch=args.batch_size, lr=args.lr,
                    seed=args.seed, run_flags=checkpoints.run_flags(args), print_freq=args.print_freq, keep=args.keep,
                    save_every_steps=args.save_every_steps, resume=args.resume, restart=args.restart,
-                   init_from=args.init_from, tensorboard=args.tensorboard,
+                   init_from=args.init_from, tensorboard=args.tensorboard, evaluate=args.evaluate,
                    sharded=checkpoints.is_sharded(args), watch_launcher=watch_launcher)
+
+    @staticmethod
+    def check_flags_before_start(args, script: str) -> None:
+        """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other
+        run holds it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is
+        there, readable, and of this script's run."""
+        checkpoints.check_output_dir_writable(args)
+        if not args.evaluate:
+            checkpoints.check_output_dir_free(args.output_dir)
+        checkpoints.check_before_start(args, script)
+
+    def recorded_precision(self) -> tuple[str | None, str | None]:
+        """(precision, path): what the checkpoint this run continues trained in (utils.precision.autocast_dtype
+        keeps it), and where it is; (None, None) for a new run or --evaluate."""
+        return checkpoints.recorded_precision(self.options)
 
     @staticmethod
     def stop_signals_passed_to_ranks():
@@ -84,12 +101,11 @@ class SafetyNet:
     def load_weights(self, model, precision: torch.dtype | None = None) -> None:
         """For --evaluate: the weights of <output-dir>'s newest checkpoint into the model (sharded: every rank
         reads its shards, a collective)."""
-        self.options.evaluate = True
         self._checkpoints(precision, {"model": model}).load_weights()
 
     def write_eval(self, results: dict) -> None:
         """Rank 0 writes <output-dir>/eval.json and prints the results."""
-        metrics.write_eval(self.options.output_dir, results, self.env.is_main)
+        metrics_log.write_eval(self.options.output_dir, results, self.env.is_main)
 
     def resume(self, *, steps_per_epoch: int, precision: torch.dtype | None = None, **parts) -> int:
         """Every rank (collectives: the output directory's lock agreed, weights broadcast when sharded): take
@@ -99,7 +115,7 @@ class SafetyNet:
         self.checkpoint = self._checkpoints(precision, parts)
         self.start_at = self.checkpoint.resume()
         self.steps_per_epoch = steps_per_epoch
-        self.log = metrics.MetricsLog(self.options, is_main=self.env.is_main, done_epochs=self.start_at[0],
+        self.log = metrics_log.MetricsLog(self.options, is_main=self.env.is_main, done_epochs=self.start_at[0],
                                       done_steps=self.start_at[1], steps_per_epoch=steps_per_epoch)
         if self.start_at[0] == self.options.epochs and self.env.is_main:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")

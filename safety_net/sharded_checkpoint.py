@@ -9,7 +9,7 @@ size (DCP reshards on load). A checkpoint is a directory:
 It is written as checkpoint.dcp.tmp and renamed when whole, the older ones moving down (checkpoint.1.dcp,
 ...), so a crash or a killed rank during a save leaves the previous checkpoint as it was.
 
-    python -m utils.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp [OUT.pt]
+    python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp [OUT.pt]
 
 makes one plain checkpoint file of it (default: checkpoint.pt beside it), which --evaluate and --init-from
 of every script read.
@@ -33,8 +33,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from utils import checkpoint, collectives
-from utils.checkpoint import HEADER, Checkpoint, load, load_optimizer
+from safety_net import checkpoint
+from safety_net.checkpoint import HEADER, Checkpoint, load, load_optimizer
+from utils import collectives
 from utils.errors import Diverged, StorageError, UsageError, exit_on_error, first_line
 
 FULL = StateDictOptions(full_state_dict=True)  # plain tensors keyed as the unsharded model's state_dict
@@ -163,7 +164,7 @@ def to_single_file(sharded: str, out: str) -> dict:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m utils.sharded_checkpoint",
+    parser = argparse.ArgumentParser(prog="python -m safety_net.sharded_checkpoint",
                                      description="Make one plain checkpoint file of a sharded checkpoint of "
                                                  "distributed_fsdp.py, for --evaluate and --init-from of any script.")
     parser.add_argument("sharded", help="a sharded checkpoint directory, e.g. runs/distributed_fsdp/checkpoint.dcp")

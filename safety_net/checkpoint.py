@@ -8,7 +8,7 @@ because none is needed: the data order and the augmentation are functions of (--
 (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
 
 distributed_fsdp.py writes sharded checkpoints instead: directories checkpoint.dcp, checkpoint.1.dcp, ...
-(utils/sharded_checkpoint.py). Finding, locking, checking and keeping them is the same, and lives here.
+(safety_net/sharded_checkpoint.py). Finding, locking, checking and keeping them is the same, and lives here.
 """
 import contextlib
 import fcntl
@@ -18,6 +18,7 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
 import warnings
 import zipfile
@@ -158,7 +159,7 @@ def save_atomic(state: dict, path: str, keep: int | None = None) -> None:
                 raise written.error or sys.exc_info()[1] from None
             f.flush()
             os.fsync(f.fileno())
-        if keep is None:  # a file of its own (python -m utils.sharded_checkpoint): no other file is touched
+        if keep is None:  # a file of its own (python -m safety_net.sharded_checkpoint): no other file is touched
             os.replace(tmp, path)
             fsync(directory)
         else:
@@ -179,9 +180,33 @@ def _read(path: str):
         raise Unreadable(first_line(e)) from None
 
 
+_last_read: tuple = (None, None)  # ((path, size, mtime), state): the checks, the precision and resume read it once
+
+
+def forget_last_read() -> None:
+    """Drop the checkpoint load() keeps (after resume restored it: its tensors are in the model now)."""
+    global _last_read
+    _last_read = (None, None)
+
+
 def load(path: str) -> dict:
     """A checkpoint as saved; anything unreadable is a UsageError and the file stays as it is. Of a
-    sharded checkpoint (a directory), only its header: the shards are read by every rank, into the model."""
+    sharded checkpoint (a directory), only its header: the shards are read by every rank, into the model.
+    The last one read is kept until forget_last_read(), so that a process reads a file once, not thrice."""
+    global _last_read
+    try:
+        stat = os.stat(path)
+        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
+    except OSError:
+        key = None
+    if key is not None and _last_read[0] == key:
+        return _last_read[1]
+    state = _load(path)
+    _last_read = (key, state) if key is not None else (None, None)
+    return state
+
+
+def _load(path: str) -> dict:
     sharded = os.path.isdir(path)
     if sharded:
         if not os.path.isfile(os.path.join(path, ".metadata")):  # DCP's index of the shards, written last
@@ -212,7 +237,7 @@ def weights_of(path: str) -> dict:
     state_dict (DDP's "module." and torch.compile's "_orig_mod." prefixes removed)."""
     if os.path.isdir(path):
         raise UsageError(f"--init-from {path} is a sharded checkpoint; make it one file with: "
-                         f"python -m utils.sharded_checkpoint {path}")
+                         f"python -m safety_net.sharded_checkpoint {path}")
     if not os.path.isfile(path):
         raise UsageError(f"--init-from {path}: no such file")
     try:
@@ -288,6 +313,26 @@ def recorded_precision(args) -> tuple[str | None, str | None]:
     if typed.get("opt_level") == "O0":
         return "float32", path
     return (typed["amp_dtype"], path) if typed.get("amp_dtype", "auto") != "auto" else (None, None)
+
+
+def check_output_dir_writable(args) -> None:
+    """Before any process starts or any data loads, creating nothing: --output-dir can be written (or made)
+    and --init-from names a file."""
+    if not args.output_dir.strip():
+        raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
+    path = os.path.abspath(args.output_dir)
+    existing = path
+    while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):  # a write, not os.access: root passes that on a read-only disk
+            pass
+    except OSError as error:
+        raise UsageError(f"--output-dir {args.output_dir}: cannot write in {existing} ({error.strerror})") from None
+    if args.init_from and not os.path.exists(args.init_from):
+        raise UsageError(f"--init-from {args.init_from}: no such file")
 
 
 def check_before_start(args, script: str) -> None:
@@ -402,6 +447,7 @@ class Checkpoint:
             return 0, 0
         check_same_run(state, self.args, self.script, path)
         self.restore(state, path)
+        forget_last_read()
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
