@@ -235,3 +235,21 @@ def test_a_silent_peer_fails_the_collective_within_the_timeout():
         if p.is_alive():
             p.kill()
     assert message != "completed" and 2.5 < seconds < 20, (message, seconds)
+
+
+def test_a_resuming_process_reads_its_checkpoint_once(tmp_path, monkeypatch):
+    """The checks before the process group, the precision to train in and the resume itself all need the
+    checkpoint; a process reads the file once for the three (a ResNet-18 checkpoint is 90 MB)."""
+    model = nn.Linear(3, 2)
+    tiny_checkpoints(tmp_path, model).save(1)
+    reads, read = [], checkpoint._read
+    monkeypatch.setattr(checkpoint, "_read", lambda path: reads.append(path) or read(path))
+    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False,
+                           evaluate=False, epochs=3, init_from=None)
+    env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
+    checkpoint.check_before_start(args, "distributed.py")
+    assert checkpoint.recorded_precision(args) == ("float32", str(tmp_path / "checkpoint.pt"))
+    assert checkpoint.Checkpoint(args, env, "distributed.py", model=nn.Linear(3, 2)).resume() == (1, 0)
+    assert len(reads) == 1, reads
+    checkpoint.check_before_start(args, "distributed.py")  # after the resume the kept copy is gone: read again
+    assert len(reads) == 2
