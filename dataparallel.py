@@ -48,7 +48,7 @@ class AutocastInForward(nn.Module):
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, net, scaler):
-    """One epoch, or its rest after a mid-epoch checkpoint; ends early once a stop signal came."""
+    """One pass over the batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
         images = images.to(device, non_blocking=True)

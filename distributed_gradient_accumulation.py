@@ -36,7 +36,7 @@ def parse_args(argv=None):
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, net, accu_steps):
-    """One epoch, or its rest after a mid-epoch checkpoint; ends early once every rank knows of a stop signal."""
+    """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
         images = images.to(device, non_blocking=True)

@@ -1,7 +1,10 @@
 """Errors the user can act on are reported as one line on stderr, never as a traceback."""
 import contextlib
 import os
+import signal
 import sys
+import tempfile
+import traceback
 
 import torch.distributed
 
@@ -40,6 +43,56 @@ def report(message: str) -> None:
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
 
+def say(message: str) -> None:
+    """Print one error line from this process, whichever rank it is (named when a launcher started it)."""
+    prog = os.path.basename(sys.argv[0]) or "python"
+    rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+    print(f"{prog}: error: {rank}{message}", file=sys.stderr, flush=True)
+
+
+# gloo's words when the other end of a connection is gone: a rank that failed, or was killed
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank left the process group (it says why itself)."""
+    return isinstance(error, torch.distributed.DistNetworkError) or any(w in str(error) for w in _PEER_GONE)
+
+
+def _shown(path: str) -> str:
+    """A path as a user reads it: relative below the current directory, else absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+
+
+def crash_line(error: BaseException) -> str:
+    """An unexpected exception as one line: its type, message and where it was raised; the whole traceback
+    goes to a file in the temporary directory, which the line names. An exception raised in a DataLoader
+    worker ("Caught ValueError in DataLoader worker process 0." and the worker's traceback) is told by the
+    worker's own last line and place."""
+    text = str(error).strip()
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{_shown(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    what = f"{type(error).__name__}: {first_line(error, 200)}"
+    if text.startswith("Caught ") and "worker" in text:  # the worker's traceback is in the message
+        lines = text.splitlines()
+        what = lines[-1][:200]
+        places = [line.strip() for line in lines if line.strip().startswith('File "')]
+        if places:  # 'File "/path/data.py", line 346, in __getitem__'
+            filename, line, function = places[-1][6:].split(", ", 2)
+            filename = _shown(filename.strip('"'))
+            where = f"{filename}:{line.removeprefix('line ')} {function}"
+    path = os.path.join(tempfile.gettempdir(), f"{os.path.basename(sys.argv[0]) or 'python'}-"
+                                               f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.traceback")
+    try:
+        with open(path, "w") as f:
+            f.writelines(traceback.format_exception(error))
+    except OSError:
+        traceback.print_exception(error)
+        return f"{what} ({where})"
+    return f"{what} ({where}; the traceback is in {path})"
+
+
 def missing_file_line(error: OSError) -> str:
     """The one line of a file that is missing or cannot be read; from a DataLoader worker, whose message
     is "Caught FileNotFoundError in DataLoader worker process 0." and its traceback, the original line."""
@@ -51,20 +104,33 @@ def missing_file_line(error: OSError) -> str:
     return first_line(error, 200)
 
 
+def _exit(status: int):
+    """Exit with status; DataLoader's SIGCHLD handler is removed first, or it would report the workers that
+    the exit itself stops ("DataLoader worker exited unexpectedly", one traceback each)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    sys.exit(status)
+
+
 @contextlib.contextmanager
 def exit_on_error():
     """Turn a UsageError, Diverged or StorageError raised inside the block into its line on stderr and exit status;
     a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a process group that
-    times out waiting for its ranks are UsageErrors too."""
+    times out waiting for its ranks are UsageErrors too. Any other exception is one line from the rank that
+    raised it (crash_line), exit status 1; a rank whose collective failed because another left exits quietly."""
     try:
         yield
     except (UsageError, Diverged, StorageError) as error:
         report(str(error))
-        sys.exit(error.exit_status)
+        _exit(error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
-        report(f"{missing_file_line(error)} (check --data-dir and the paths given)")  # your datasets(), say
-        sys.exit(UsageError.exit_status)
+        say(f"{missing_file_line(error)} (check --data-dir and the paths given)")  # your datasets(), say
+        _exit(UsageError.exit_status)
     except torch.distributed.DistStoreError as error:  # in init_process_group: a rank that never came
         report(f"not all processes joined within --dist-timeout ({str(error).splitlines()[0][:120]}); "
                "is every machine started, with the same --nnodes and --nprocs?")
-        sys.exit(UsageError.exit_status)
+        _exit(UsageError.exit_status)
+    except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
+        if lost_a_peer(error):  # another rank failed, or was killed: it, or the launcher, says why
+            _exit(1)
+        say(crash_line(error))
+        _exit(1)

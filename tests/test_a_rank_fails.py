@@ -1,0 +1,73 @@
+"""One rank raises mid-epoch (a sample that cannot be decoded, seen by rank 1 only): the whole run ends within
+seconds under torchrun and under spawn, no process is left, the failing rank and its error are one line, and
+the checkpoint of the last epoch is intact."""
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import ROOT, TINY, launcher, load_checkpoint, subprocess_env
+from processes import Run
+from test_template import replace_function
+
+# rank 1 meets sample 89 in its second batch of epoch 2 (the sampler's order for --seed 0, 96 images, 2 ranks)
+CORRUPT = '''
+class DecodesUntilEpoch2(Dataset):
+    """The training set, but sample 89 cannot be decoded from epoch 2 on (a file gone bad, say)."""
+
+    def __init__(self, inner):
+        self.inner, self.classes = inner, inner.classes
+
+    def __len__(self):
+        return len(self.inner)
+
+    def set_epoch(self, epoch):
+        self.inner.set_epoch(epoch)
+
+    def __getitem__(self, index):
+        if index == 89 and self.inner.epoch >= 1:
+            raise ValueError(f"cannot decode sample {index}")
+        return self.inner[index]
+
+
+def datasets(args, env) -> tuple[Dataset, Dataset]:
+    prepare(args, env)
+    return DecodesUntilEpoch2(load(args, train=True)), load(args, train=False)
+'''
+
+
+@pytest.fixture
+def copy_with_a_bad_sample(tmp_path) -> Path:
+    copy = tmp_path / "project"
+    copy.mkdir()
+    for script in ("distributed.py", "distributed_mp.py"):
+        shutil.copy(ROOT / script, copy)
+    for package in ("utils", "safety_net"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    replace_function(copy / "utils" / "data.py", "datasets", CORRUPT)
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind, script", [("torchrun", "distributed.py"), ("spawn", "distributed_mp.py")])
+def test_a_rank_that_raises_ends_the_run_in_one_line(kind, script, copy_with_a_bad_sample, tmp_path):
+    out = tmp_path / "run"
+    cmd = launcher(kind, script) + TINY + ["--train-samples", "96", "--epochs", "2", "--workers", "1",
+                                           "--output-dir", str(out)]
+    cmd[cmd.index(str(ROOT / script))] = str(copy_with_a_bad_sample / script)
+    started = Run(cmd, env=subprocess_env())
+    started.wait_for("epoch 2/2 step 1/6")
+    status, seconds = started.finish(timeout=60)  # every process gone, or the test fails naming them
+    output = started.output
+    errors = [line for line in output.splitlines() if "error:" in line]
+    assert status != 0 and len(errors) == 1, output
+    assert re.search(r"error: rank 1: ValueError: cannot decode sample 89 \(\S*utils/data\.py:\d+ in __getitem__; "
+                     r"the traceback is in (\S+)\)", errors[0]), errors[0]
+    traceback_file = Path(errors[0].rsplit("the traceback is in ", 1)[1].rstrip(")"))
+    assert "cannot decode sample 89" in traceback_file.read_text()
+    traceback_file.unlink()
+    assert "[rank0]" not in output and "[rank1]" not in output and "Connection closed" not in output, output
+    if kind == "spawn":  # torchrun adds a traceback of its own (ChildFailedError), which the script cannot prevent
+        assert "Traceback" not in output, output
+    assert seconds < 30, output
+    assert load_checkpoint(out)["epoch"] == 1  # the checkpoint of epoch 1, whole
