@@ -227,7 +227,7 @@ def test_a_truncated_newest_checkpoint_costs_one_epoch_and_init_from_starts_a_ne
     new = load_checkpoint(second)
     assert new["run"]["init_from"] == str(newest) and new["epoch"] == 1
     assert (new["scheduler"]["last_epoch"], new["scheduler"]["T_max"]) == (1, 1)  # a fresh schedule of 1 epoch
-    assert new["optimizer"]["param_groups"][0]["initial_lr"] == 0.1
+    assert new["optimizer"]["param_groups"][0]["initial_lr"] == 0.1 * 16 / 256  # the default rate of batch 16
     assert not torch.equal(new["model"]["fc.weight"], finished["model"]["fc.weight"])  # and it trained on
 
 

@@ -109,3 +109,31 @@ def test_a_copy_whose_data_folder_lacks_a_split_says_so_in_one_line(template, tm
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
     assert "error: No such file or directory:" in lines[0] and str(tmp_path / "pngs" / "test") in lines[0], lines
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def page_diff() -> str:
+    """The change docs/template.md shows for a copy without the safety net, as the page has it."""
+    page = (ROOT / "docs" / "template.md").read_text()
+    return page.split("```diff\n", 1)[1].split("```\n", 1)[0]
+
+
+@pytest.mark.slow
+def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
+    """distributed.py and utils/ only, the page's diff applied, the page's image folder: it trains under
+    torchrun, at the learning rate the global batch gives, to well above chance (1 in 6), writing nothing."""
+    copy = tmp_path / "lean"
+    copy.mkdir()
+    shutil.copy(ROOT / "distributed.py", copy)
+    shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    replace_function(copy / "utils" / "data.py", "datasets", DATA)  # ResNet-18 stays, with 6 outputs
+    subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)
+    assert "safety_net" not in (copy / "distributed.py").read_text()
+    write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
+    result = check(subprocess.run(torchrun(copy / "distributed.py", 2) + [
+        "--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "6", "--batch-size", "16", "--workers",
+        "0"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300))
+    epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
+    top1 = [float(line.split("top1 ")[1].split("%")[0]) for line in epochs]
+    test_loss = [float(line.split("test_loss ")[1]) for line in epochs]
+    assert len(epochs) == 6 and top1[-1] >= 60 and test_loss[-1] < test_loss[0] / 2, result.stdout
+    assert not list(tmp_path.glob("**/checkpoint.pt")) and not (tmp_path / "runs").exists()

@@ -80,8 +80,10 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
     train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
     train.add_argument("--batch-size", type=positive_int, default=256,
                        help="global batch size, summed over all processes/devices (per rank = global / world size)")
-    train.add_argument("--lr", type=non_negative_float, default=0.1,
-                       help="peak learning rate of SGD (cosine schedule over the epochs)")
+    train.add_argument("--lr", type=non_negative_float, default=None,
+                       help="peak learning rate of SGD (cosine schedule over the epochs); default: 0.1 x --batch-size "
+                            "/ 256, i.e. 0.1 at the default batch, scaled with the global batch (the linear scaling "
+                            "rule)")
     train.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     train.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
@@ -163,6 +165,8 @@ def add_spawn_flags(parser: Parser) -> None:
 
 def parse(parser: Parser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(_dashes(sys.argv[1:] if argv is None else list(argv)))
+    if getattr(args, "lr", 0) is None:  # the rate 0.1 belongs to the global batch 256: scaled with it
+        args.lr = scaled_lr(args.batch_size)
     for check in parser.checks:
         if problem := check(args):
             parser.error(problem)
@@ -171,6 +175,12 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
     if getattr(args, "node_rank", 0) >= getattr(args, "nnodes", 1):
         parser.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
     return args
+
+
+def scaled_lr(global_batch: int, base_lr: float = 0.1, base_batch: int = 256) -> float:
+    """The default learning rate: base_lr at the global batch base_batch, in proportion to the batch (Goyal et
+    al. 2017, "Accurate, Large Minibatch SGD"; the gradient of a batch twice as large is half as noisy)."""
+    return base_lr * global_batch / base_batch
 
 
 def per_rank_batch(global_batch: int, world_size: int, accu_steps: int = 1) -> int:
