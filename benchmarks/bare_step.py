@@ -1,14 +1,17 @@
 """The bare training step of one process, the yardstick of benchmarks.run; and the device's matrix peak.
 
     python -m benchmarks.bare_step --device cpu --batch-size 32 --steps 8      # images/s of the bare step
+    python -m benchmarks.bare_step --device cpu --compile default              # ... with torch.compile's model
+    python -m benchmarks.bare_step --device cuda --compile reduce-overhead     # ... compiled, in CUDA graphs
     python -m benchmarks.bare_step --device cuda --peak bfloat16               # the device's TFLOP/s peak
 
 The bare step is what every script does per step, minus everything that distribution and data
 loading add: ResNet-18 (32x32 stem), SGD with momentum, one batch made once on the device, no
 process group, no DataLoader, no SyncBatchNorm. N of these running side by side, one per device,
-are the ideal that a method on N devices is measured against. Prints one JSON line.
+are the ideal that a method on N devices is measured against. With --compile the model is torch.compile'd
+(default mode; reduce-overhead also records its steps as CUDA graphs, GPUs only): the ceilings of the
+benchmark's peers table, what the step itself can reach once compiled. Prints one JSON line.
 """
-import argparse
 import json
 import time
 
@@ -16,7 +19,7 @@ import torch
 from torch import nn
 
 from safety_net.progress import peak_memory_mb
-from utils import models
+from utils import flags, models
 from utils.data import NUM_CLASSES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -27,9 +30,12 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None) -> dict:
+def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, compile_mode=None) -> dict:
+    """images/s of `steps` training steps after `warmup` untimed ones (which, compiled, do the compiling)."""
     torch.manual_seed(0)
     model = models.resnet18_cifar().to(device)
+    if compile_mode:
+        model = torch.compile(model, mode=compile_mode)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
     criterion = nn.CrossEntropyLoss()
     images = torch.randn(batch_size, 3, 32, 32, device=device)
@@ -89,22 +95,33 @@ def flops_per_image() -> float:
     return counter.get_total_flops() / 2
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None):
+    parser = flags.Parser(prog="python -m benchmarks.bare_step", description=__doc__.splitlines()[0],
+                          formatter_class=flags.HelpFormatter)
     parser.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
-    parser.add_argument("--batch-size", type=int, default=32, help="images per step")
-    parser.add_argument("--steps", type=int, default=8, help="timed steps")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--batch-size", type=flags.positive_int, default=32, help="images per step")
+    parser.add_argument("--steps", type=flags.positive_int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=flags.non_negative_int, default=2, help="untimed steps first")
     parser.add_argument("--amp-dtype", choices=["bfloat16", "float16"], default=None, help="autocast dtype")
+    parser.add_argument("--compile", choices=["default", "reduce-overhead"], default=None,
+                        help="torch.compile the model in this mode (reduce-overhead: CUDA graphs, GPUs only); "
+                             "the warm-up steps compile it")
     parser.add_argument("--peak", choices=list(DTYPES), default=None,
                         help="instead: measure the TFLOP/s of large matrix products and convolutions in this dtype")
-    args = parser.parse_args()
-    device = torch.device(args.device)
+    args = parser.parse_args(argv)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device}, but no GPU is visible")
+    if args.compile == "reduce-overhead" and device.type != "cuda":
+        parser.error("--compile reduce-overhead records CUDA graphs: it needs --device cuda")
     if args.peak:
         result = device_peak(device, DTYPES[args.peak])
     else:
         result = bare_step_rate(device, args.batch_size, args.steps, args.warmup,
-                                DTYPES[args.amp_dtype] if args.amp_dtype else None)
+                                DTYPES[args.amp_dtype] if args.amp_dtype else None, args.compile)
     print(json.dumps(result), flush=True)
 
 

@@ -4,6 +4,7 @@
     python -m benchmarks.run                            # all visible GPUs (or the CPU), longer runs
     python -m benchmarks.run --only "DDP (torchrun),no SyncBatchNorm"   # the rows whose name contains these
     python -m benchmarks.run --quick --only seed        # the seed's four rows: DataParallel and DDP, +- mixed precision
+    python -m benchmarks.run --quick --only peers       # DDP (torchrun) beside a plain tutorial loop and Lightning
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
@@ -16,13 +17,19 @@ no data loading), one per device, with the same per-rank batch, side by side; it
 their sum. "vs ideal" is a row's images/s over the ideal of its precision. Technique rows change
 one flag of the DDP row, so their "vs DDP" column says what that flag buys on this machine. The "seed
 table" repeats the four rows of the seed project's comparison (DataParallel and DDP, each with and
-without mixed precision: float16 on GPUs, bfloat16 on a CPU).
+without mixed precision: float16 on GPUs, bfloat16 on a CPU). The "peers" table measures the same job
+written as others write it, through torchrun with the same processes, batch, steps and --workers:
+a plain tutorial DDP loop (benchmarks/peers/plain_ddp.py) and PyTorch Lightning's Trainer with its
+DDP strategy (benchmarks/peers/lightning_ddp.py; left out, saying so, where lightning is not installed),
+beside the bare step's ceilings: eager (the ideal), compiled (torch.compile; not in --quick on a CPU)
+and in CUDA graphs (GPUs only).
 
 With --quick on a CPU without native bfloat16 instructions (where bfloat16 is emulated, some 18x slower
 than float32), the bfloat16 rows, ideal and peak are left out, and the output says so.
 
 Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json.
 """
+import importlib.util
 import json
 import os
 import platform
@@ -43,18 +50,20 @@ from utils import flags, precision
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
 WORKERS = "4"  # the scripts' default --workers
+BARE_STEP = "benchmarks/bare_step.py"
 
 
 @dataclass
 class Row:
     name: str
     script: str
-    start: str  # python (one process), torchrun or spawn
+    start: str  # python (one process), torchrun, spawn, or side by side (N bare-step processes, no process group)
     flags: list = field(default_factory=list)
-    table: str = "method"  # method or technique
+    table: str = "method"  # method, technique or peer
     amp: str | None = None  # the autocast dtype, which picks the ideal it is compared with
     gpu_only: bool = False
     full_only: bool = False  # left out of --quick
+    needs: str | None = None  # an optional package the row imports: left out, saying so, where it is missing
 
 
 def mixed_dtype(device: str) -> str:
@@ -109,13 +118,51 @@ def rows(device: str) -> list[Row]:
         Row("fused SGD step", "distributed.py", "torchrun", ["--optimizer-impl", "fused"], "technique"),
         Row("device-side data path", "distributed.py", "torchrun", ["--loader", "device"], "technique"),
         Row("no SyncBatchNorm", "distributed.py", "torchrun", ["--no-sync-bn"], "technique"),
+        # the peers: the same job as others write it, and the bare step's ceilings once compiled
+        Row("plain tutorial DDP loop", "benchmarks/peers/plain_ddp.py", "torchrun", table="peer"),
+        Row("Lightning Trainer, DDP", "benchmarks/peers/lightning_ddp.py", "torchrun", table="peer", needs="lightning"),
+        Row("bare step, compiled", BARE_STEP, "side by side", ["--compile", "default"], "peer",
+            full_only=not gpu),
+        Row("bare step, CUDA graphs", BARE_STEP, "side by side", ["--compile", "reduce-overhead"],
+            "peer", gpu_only=True),
     ]
+
+
+def keyword_rows(device: str) -> dict[str, set[str]]:
+    """The row names that a word of --only stands for: seed, the seed table's four; peers, the peers table's
+    rows and DDP (torchrun), the row of ours they are compared with."""
+    return {"seed": set(seed_rows(device).values()),
+            "peers": {r.name for r in rows(device) if r.table == "peer"} | {"DDP (torchrun)"}}
+
+
+def importable(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def why_left_out(row: Row, args) -> str | None:
+    """Why `row` cannot run in this benchmark run, or None when it can."""
+    if row.gpu_only and args.device != "cuda":
+        return "it needs a GPU"
+    if row.full_only and args.quick:
+        return "not in --quick (compiling takes minutes on a CPU); run without --quick to measure it"
+    if row.needs and not importable(row.needs):
+        return f"`{row.needs}` is not installed (an optional dependency: pip install {row.needs})"
+    return None
+
+
+def launch_target(script: str, root: Path = ROOT) -> list[str]:
+    """What torchrun is told to run: a script at the top by its path under `root`; the peers, which live in
+    benchmarks/ and import utils, as modules (-m), found from the repository's root (the working directory)."""
+    if script.startswith("benchmarks/"):
+        return ["-m", script.removesuffix(".py").replace("/", ".")]
+    return [str(root / script)]
 
 
 def launch(row: Row, nprocs: int) -> list[str]:
     path = str(ROOT / row.script)
     if row.start == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}", path]
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+                *launch_target(row.script)]
     return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
 
 
@@ -125,6 +172,10 @@ def threads_env(processes: int) -> dict:
 
 
 def run_row(row: Row, args) -> dict:
+    if row.start == "side by side":
+        return ceiling(row, args)
+    if row.table == "peer":
+        return run_peer(row, args)
     processes = 1 if row.start == "python" else args.nprocs
     global_batch = args.batch_size * args.nprocs  # DataParallel: one process, the same global batch
     with tempfile.TemporaryDirectory() as out:
@@ -146,20 +197,65 @@ def run_row(row: Row, args) -> dict:
             "wall_s": time.perf_counter() - started}
 
 
-def ideal(args, amp: str | None) -> dict:
-    """N bare-step processes side by side, one per device (or per share of the cores): their images/s summed."""
+def peer_command(row: Row, args) -> list[str]:
+    """A peer program under torchrun, on the workload of our rows: the same per-rank batch, steps, epochs, workers."""
+    return launch(row, args.nprocs) + [
+        "--device", args.device, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
+        "--epochs", str(args.epochs), "--workers", str(args.workers)]
+
+
+def peer_epochs(stdout: str) -> list[dict]:
+    """The JSON line a peer program's rank 0 prints per epoch, among whatever else it prints (Lightning does)."""
+    return [json.loads(line) for line in stdout.splitlines() if line.startswith('{"epoch"')]
+
+
+def run_peer(row: Row, args) -> dict:
+    cmd = peer_command(row, args)
+    started = time.perf_counter()
+    result = subprocess.run(cmd, cwd=ROOT, env=threads_env(args.nprocs), capture_output=True, text=True)
+    epochs = peer_epochs(result.stdout)
+    if result.returncode != 0 or len(epochs) != args.epochs:
+        error = ((result.stderr.strip().splitlines() or ["no output"])[-1][:200] if result.returncode else
+                 f"printed {len(epochs)} epoch lines for {args.epochs} epochs")
+        return {"error": error, "command": " ".join(cmd)}
+    return {"processes": epochs[-1]["world_size"],
+            "images_per_s": statistics.median(e["images_per_s"] for e in epochs[1:]),
+            "wall_s": time.perf_counter() - started}
+
+
+def side_by_side(args, extra: list[str]) -> list[dict] | None:
+    """N bare-step processes at once, one per device (or per share of the cores): what each printed, or None
+    if one failed (its error went to stderr)."""
     procs = []
     for i in range(args.nprocs):
         device = f"cuda:{i}" if args.device == "cuda" else "cpu"
         cmd = [sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--batch-size",
                str(args.batch_size), "--steps", str(args.steps * (args.epochs - 1)), "--warmup", str(args.steps)]
-        procs.append(subprocess.Popen(cmd + (["--amp-dtype", amp] if amp else []), cwd=ROOT,
-                                      env=threads_env(args.nprocs), stdout=subprocess.PIPE, text=True))
-    results = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+        procs.append(subprocess.Popen(cmd + extra, cwd=ROOT, env=threads_env(args.nprocs), stdout=subprocess.PIPE,
+                                      text=True))
+    outputs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
+        return None
+    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+
+
+def ideal(args, amp: str | None) -> dict:
+    """N bare-step processes side by side: their images/s summed."""
+    results = side_by_side(args, ["--amp-dtype", amp] if amp else [])
+    if results is None:
         raise SystemExit("the bare step failed; run python -m benchmarks.bare_step to see why")
     return {"images_per_s": sum(r["images_per_s"] for r in results),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in results)}
+
+
+def ceiling(row: Row, args) -> dict:
+    """The ideal of a compiled bare step (row.flags): what the step itself reaches once compiled."""
+    started = time.perf_counter()
+    results = side_by_side(args, row.flags)
+    if results is None:
+        return {"error": f"the bare step failed; run python -m benchmarks.bare_step {' '.join(row.flags)} to see why"}
+    return {"processes": args.nprocs, "images_per_s": sum(r["images_per_s"] for r in results),
+            "peak_memory_mb": max(r["peak_memory_mb"] for r in results), "wall_s": time.perf_counter() - started}
 
 
 def device_peak(args, dtype: str) -> float:
@@ -195,9 +291,10 @@ def markdown(results: dict) -> str:
                  for k, v in meta["ideal"].items()) + ".",
              "Peak of one device (the faster of large matmuls and convolutions): " + ", ".join(
                  f"{k} {v:.2f} TFLOP/s" for k, v in meta["peak_tflops"].items()) + ".", ""]
-    if meta.get("left_out"):
-        lines += [meta["left_out"], ""]
+    for line in meta.get("left_out") or []:
+        lines += [line, ""]
     lines += seed_table(results)
+    lines += peers_table(results)
     for table, title in (("method", "Methods"), ("technique", "Techniques (one flag changed on DDP (torchrun))")):
         if not any(r["table"] == table for r in results["rows"]):
             continue
@@ -241,6 +338,50 @@ def seed_table(results: dict) -> list[str]:
     return lines + [""]
 
 
+def peers_table(results: dict) -> list[str]:
+    """The bare step's ceilings, DDP (torchrun) and the peer programs, then how ours compare with the peers."""
+    meta = results["meta"]
+    peers = [r for r in results["rows"] if r["table"] == "peer"]
+    if not peers:
+        return []
+    n, ideal_rate = meta["nprocs"], meta["ideal"]["float32"]["images_per_s"]
+    ours = next((r for r in results["rows"] if r["name"] == "DDP (torchrun)" and "images_per_s" in r), None)
+    ceilings = [r for r in peers if r["script"] == BARE_STEP]
+    programs = [r for r in peers if r["script"] != BARE_STEP]
+    entries = [("bare step, eager (the ideal)", f"`{BARE_STEP}`, {n} side by side", n, ideal_rate)]
+    entries += [(r["name"], f"`{BARE_STEP} {' '.join(r['flags'])}`, {n} side by side", r.get("processes"),
+                 r.get("images_per_s") or r.get("error", "not run")) for r in ceilings]
+    entries += [(r["name"], f"`torchrun --nproc_per_node={n} {' '.join(launch_target(r['script'], Path()))}`",
+                 r.get("processes"), r.get("images_per_s") or r.get("error", "not run"))
+                for r in ([ours] if ours else []) + programs]
+    lines = ["### Peers (the same job written as others write it, and the bare step's ceilings)", "",
+             "| row | program + launcher | processes | images/s | s per 50,000-image epoch | vs ideal "
+             "| vs DDP (torchrun) |", "|---|---|---|---|---|---|---|"]
+    for name, what, processes, rate in entries:
+        if isinstance(rate, str):  # the row's error
+            lines.append(f"| {name} | {what} | | {rate} | | | |")
+            continue
+        versus = f"{rate / ours['images_per_s']:.2f}" if ours else ""
+        lines.append(f"| {name} | {what} | {processes} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
+                     f"| {rate / ideal_rate:.2f} | {versus} |")
+    lines.append("")
+    ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
+    if ours and "plain tutorial DDP loop" in ran:
+        ratio = ours["images_per_s"] / ran["plain tutorial DDP loop"]
+        lines.append(f"`distributed.py` (DDP (torchrun)) runs at {ratio:.2f}x the plain tutorial DDP loop.")
+    best = max((r for r in results["rows"] if r["table"] != "peer" and "images_per_s" in r),
+               key=lambda r: r["images_per_s"], default=None)
+    if best and ran:
+        peer = max(ran, key=ran.get)
+        lines.append(f"Our fastest row in this run, {best['name']}, is {best['images_per_s'] / ran[peer]:.2f}x the "
+                     f"fastest peer, {peer}.")
+    if meta["device"] == "cpu":
+        lines.append("On the CPU the peers keep per-rank BatchNorm (torch's SyncBatchNorm refuses CPU tensors) where "
+                     "`distributed.py` synchronises it (CpuSyncBatchNorm): their like-for-like row of ours is "
+                     "\"no SyncBatchNorm\" (`--only peers,no SyncBatchNorm`).")
+    return lines + [""]
+
+
 def chart(results: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -250,7 +391,7 @@ def chart(results: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(9, 0.32 * len(done) + 1.6))
     names = [r["name"] for r in done][::-1]
     rates = [r["images_per_s"] for r in done][::-1]
-    colours = ["tab:blue" if r["table"] == "method" else "tab:orange" for r in done][::-1]
+    colours = [{"method": "tab:blue", "technique": "tab:orange"}.get(r["table"], "tab:green") for r in done][::-1]
     ax.barh(names, rates, color=colours)
     ideal_rate = results["meta"]["ideal"]["float32"]["images_per_s"]
     ax.axvline(ideal_rate, color="black", linestyle="--", label=f"ideal, float32 ({ideal_rate:.1f} images/s)")
@@ -283,7 +424,7 @@ def main(argv=None):
                              f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas; "
-                             "seed: the seed table's four rows)")
+                             "seed: the seed table's four rows; peers: the peers table and DDP (torchrun))")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -300,23 +441,32 @@ def main(argv=None):
         parser.error("--epochs must be 2 or more: the first epoch is not counted")
     if args.batch_size % 4:
         parser.error("--batch-size must be divisible by 4 (the accumulation rows split it in 4 micro-batches)")
-    texts = args.only.split(",") if args.only else []
-    seed = set(seed_rows(args.device).values()) if "seed" in texts else set()  # --only seed: those four rows
-    selected = [r for r in rows(args.device) if (gpu or not r.gpu_only) and not (args.quick and r.full_only)
-                and (not texts or r.name in seed or any(text in r.name for text in texts if text != "seed"))]
-    if not selected:
+    texts, keywords = (args.only.split(",") if args.only else []), keyword_rows(args.device)
+    wanted = [r for r in rows(args.device) if not texts or any(
+        r.name in keywords[text] if text in keywords else text in r.name for text in texts)]
+    if not wanted:
         parser.error(f"--only {args.only!r} matches no row")
-    left_out = ""
+    selected, left_out = [], []
+    for r in wanted:
+        reason = why_left_out(r, args)
+        if reason is None:
+            selected.append(r)
+        elif r.table == "peer":  # the other tables leave out GPU rows and --quick's omissions without a word
+            left_out.append(f"{r.name}: left out, {reason}.")
     if args.quick and not gpu and not precision.cpu_has_native_bfloat16():
         emulated = [r.name for r in selected if r.amp == "bfloat16"]
         selected = [r for r in selected if r.amp != "bfloat16"]
         if emulated:
-            left_out = (f"--quick left out {len(emulated)} bfloat16 row(s) ({', '.join(emulated)}): this CPU has no "
-                        "native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 is emulated, some 18x slower "
-                        "than float32; run without --quick to measure them anyway")
-            print(left_out, flush=True)
-        if not selected:
+            left_out.append(f"--quick left out {len(emulated)} bfloat16 row(s) ({', '.join(emulated)}): this CPU has "
+                            "no native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 is emulated, some 18x "
+                            "slower than float32; run without --quick to measure them anyway")
+        if not selected and emulated:
             parser.error(f"--only {args.only!r}: only bfloat16 rows, which --quick leaves out on this CPU")
+    if not selected:
+        parser.error(f"--only {args.only!r}: every row it names is left out here" +
+                     (f" ({' '.join(left_out)})" if left_out else ""))
+    for line in left_out:
+        print(line, flush=True)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 

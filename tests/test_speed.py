@@ -109,7 +109,7 @@ def test_benchmark_writes_table_chart_and_numbers(tmp_path):
 
 
 @pytest.mark.parametrize("argv", [["--epochs", "1"], ["--only", "no such row"], ["--batch-size", "6"],
-                                  ["--nprocs", "0"], ["--workers", "-1"]])
+                                  ["--nprocs", "0"], ["--workers", "-1"], ["--device", "cpu", "--only", "CUDA graphs"]])
 def test_benchmark_bad_input_is_one_line(argv, tmp_path, capsys):
     from benchmarks import run as bench
     result = run_main(bench.main, ["--output-dir", str(tmp_path)] + argv, capsys)
@@ -125,7 +125,8 @@ def fake_measurements(monkeypatch, native_bfloat16: bool):
     monkeypatch.setattr(bench, "device_peak", lambda args, dtype: 1.0)
     monkeypatch.setattr(bench, "flops_per_image", lambda: 3.3e9)
     rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
-             "DDP + bfloat16 autocast": 100.0}
+             "DDP + bfloat16 autocast": 100.0, "plain tutorial DDP loop": 50.0, "Lightning Trainer, DDP": 40.0,
+             "bare step, compiled": 120.0}
     monkeypatch.setattr(bench, "run_row", lambda row, args: {
         "processes": 2, "images_per_s": rates[row.name], "peak_memory_mb": 1.0, "grad_allreduces_per_step": 3,
         "wall_s": 0.0})
@@ -153,6 +154,106 @@ def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypa
     said = capsys.readouterr().out
     assert "--quick left out 2 bfloat16 row(s)" in said and "no native bfloat16" in said
     assert "--quick left out" in (tmp_path / "benchmark.md").read_text()
+
+
+def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
+    """--only peers: DDP (torchrun), the plain loop and Lightning, with the ideal as the eager ceiling; --quick
+    leaves out the compiled ceiling and the CPU the CUDA graphs one, each saying so in one line."""
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    monkeypatch.setattr(bench, "importable", lambda module: True)
+    bench.main(["--quick", "--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [(r["name"], r["table"]) for r in results["rows"]] == [
+        ("DDP (torchrun)", "method"), ("plain tutorial DDP loop", "peer"), ("Lightning Trainer, DDP", "peer")]
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "### Peers" in table and "### Techniques" not in table
+    assert "| bare step, eager (the ideal) | `benchmarks/bare_step.py`, 2 side by side | 2 | 100.0 | 500.0 | 1.00 " \
+           "| 1.67 |" in table
+    assert "| DDP (torchrun) | `torchrun --nproc_per_node=2 distributed.py` | 2 | 60.0 | 833.3 | 0.60 | 1.00 |" in table
+    assert "| plain tutorial DDP loop | `torchrun --nproc_per_node=2 -m benchmarks.peers.plain_ddp` | 2 | 50.0 " \
+           "| 1000.0 | 0.50 | 0.83 |" in table
+    assert "| Lightning Trainer, DDP | `torchrun --nproc_per_node=2 -m benchmarks.peers.lightning_ddp` |" in table
+    assert "`distributed.py` (DDP (torchrun)) runs at 1.20x the plain tutorial DDP loop." in table
+    assert "Our fastest row in this run, DDP (torchrun), is 1.20x the fastest peer, plain tutorial DDP loop." in table
+    assert "bare step, compiled: left out, not in --quick" in table
+    assert "bare step, CUDA graphs: left out, it needs a GPU." in table
+
+
+def test_peers_without_quick_measure_the_compiled_ceiling(monkeypatch, tmp_path):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    monkeypatch.setattr(bench, "importable", lambda module: True)
+    bench.main(["--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "| bare step, compiled | `benchmarks/bare_step.py --compile default`, 2 side by side | 2 | 120.0 " \
+           "| 416.7 | 1.20 | 2.00 |" in table
+    assert "bare step, compiled: left out" not in table and "bare step, CUDA graphs: left out" in table
+
+
+def test_lightning_row_is_left_out_in_one_line_where_lightning_is_missing(monkeypatch, tmp_path, capsys):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    monkeypatch.setattr(bench, "importable", lambda module: module != "lightning")
+    bench.main(["--quick", "--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
+    results = json.loads((tmp_path / "benchmark.json").read_text())
+    assert "Lightning Trainer, DDP" not in [r["name"] for r in results["rows"]]
+    line = "Lightning Trainer, DDP: left out, `lightning` is not installed (an optional dependency: pip install " \
+           "lightning)."
+    table = (tmp_path / "benchmark.md").read_text()
+    assert table.splitlines().count(line) == 1 and "| Lightning" not in table
+    assert line in results["meta"]["left_out"] and line in capsys.readouterr().out
+
+
+def test_a_peer_is_read_from_its_epoch_lines(monkeypatch):
+    """Lightning prints lines of its own: the epoch lines are picked out, and epochs 2..N give the median."""
+    from argparse import Namespace
+    from subprocess import CompletedProcess
+
+    from benchmarks import run as bench
+    lines = ["GPU available: False, used: False"] + [json.dumps(
+        {"epoch": e, "images_per_s": rate, "epoch_time_s": 1.0, "train_loss": 4.6, "world_size": 2})
+        for e, rate in ((1, 5.0), (2, 30.0), (3, 10.0), (4, 20.0))]
+    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: CompletedProcess(cmd, 0, "\n".join(lines), ""))
+    args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=4, workers=0)
+    (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
+    measured = bench.run_peer(plain, args)
+    assert (measured["processes"], measured["images_per_s"]) == (2, 20.0)
+    lines.pop()  # an epoch line missing: an error, not a median of the others
+    assert bench.run_peer(plain, args)["error"] == "printed 3 epoch lines for 4 epochs"
+
+
+@pytest.mark.slow
+def test_plain_tutorial_loop_trains_under_torchrun_and_reports_images_per_s():
+    """The plain loop's real launch (torchrun, 2 CPU processes, a DataLoader worker each), 2 epochs of 1 step."""
+    from argparse import Namespace
+
+    from benchmarks import run as bench
+    (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
+    args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=2, workers=1)
+    result = check(run(bench.peer_command(plain, args), timeout=180))
+    epochs = bench.peer_epochs(result.stdout)
+    assert [(e["epoch"], e["world_size"]) for e in epochs] == [(1, 2), (2, 2)]
+    assert all(e["images_per_s"] > 0 and 0 < e["train_loss"] < 20 for e in epochs), epochs
+    assert epochs[1]["images_per_s"] == pytest.approx(8 / epochs[1]["epoch_time_s"])  # 1 step of 4 images x 2 ranks
+
+
+@pytest.mark.slow
+def test_lightning_peer_trains_under_torchrun():
+    """Where lightning is installed (an optional dependency): its Trainer under torchrun, 2 CPU processes."""
+    pytest.importorskip("lightning")
+    from argparse import Namespace
+
+    from benchmarks import run as bench
+    (row,) = [r for r in bench.rows("cpu") if r.name == "Lightning Trainer, DDP"]
+    args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=2, workers=0)
+    epochs = bench.peer_epochs(check(run(bench.peer_command(row, args), timeout=180)).stdout)
+    assert [(e["epoch"], e["world_size"]) for e in epochs] == [(1, 2), (2, 2)]
+    assert all(e["images_per_s"] > 0 and 0 < e["train_loss"] < 20 for e in epochs), epochs
+
+
+@pytest.mark.parametrize("argv", [["--compile", "reduce-overhead"], ["--device", "cuda:x"], ["--steps", "0"]])
+def test_bare_step_bad_input_is_one_line(argv, capsys):
+    from benchmarks import bare_step
+    result = run_main(bare_step.main, ["--device", "cpu"] + argv, capsys)
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
 def test_the_device_peak_is_the_faster_of_matmuls_and_convolutions():
