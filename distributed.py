@@ -23,6 +23,7 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     flags.add_shared_flags(parser)
+    SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)
 
 

@@ -35,6 +35,7 @@ def parse_args(argv=None):
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     flags.add_shared_flags(parser, sharded=True)
+    SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories of shards), --evaluate
     return flags.parse(parser, argv)
 
 

@@ -32,6 +32,7 @@ def parse_args(argv=None):
         help="micro-batches per optimizer step; must divide the per-rank batch")
     flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
     flags.add_shared_flags(parser)
+    SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)
 
 

@@ -24,6 +24,7 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
     flags.add_shared_flags(parser)
+    SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)
 
 

@@ -22,6 +22,8 @@ every rank calls it at the same line of the script: moved onto one rank's path, 
         net.save(epoch + 1)
     return net.finish()
 """
+import importlib.util
+import os
 from types import SimpleNamespace
 
 import torch
@@ -30,6 +32,7 @@ from safety_net import checkpoint as checkpoints
 from safety_net import metrics_log, stopping
 from safety_net.progress import EpochProgress
 from safety_net.sharded_checkpoint import ShardedCheckpoint
+from utils import flags
 
 
 class SafetyNet:
@@ -58,6 +61,40 @@ class SafetyNet:
         self.env = self.checkpoint = self.log = self.progress = None
         self.start_at = (0, 0)  # (epoch, step) the run continues from
         self.steps_per_epoch = 0
+
+    @staticmethod
+    def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
+        """The net's flags, after utils.flags.add_shared_flags: --print-freq among the training flags, and the
+        group "checkpoints and output" (sharded: the checkpoints are directories, FSDP's)."""
+        name = os.path.splitext(parser.prog)[0]
+        newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
+        parser.set_defaults(checkpoint_format="sharded" if sharded else "file")
+        parser.group("training").add_argument(
+            "--print-freq", type=flags.positive_int, default=50,
+            help="log progress every N steps and at each epoch's first (the only host syncs)")
+        ckpt = parser.group("checkpoints and output")
+        ckpt.add_argument("--output-dir", default=os.path.join("runs", name),
+                          help=f"where metrics.jsonl, {newest} and eval.json are written")
+        ckpt.add_argument("--save-every-steps", type=flags.non_negative_int, default=0, metavar="N",
+                          help="also write the checkpoint every N steps within an epoch (0: only at the end of "
+                               "each epoch)")
+        ckpt.add_argument("--resume", default=None, metavar="PATH",
+                          help=f"continue from this checkpoint (default: <output-dir>/{newest}, when there is one)")
+        ckpt.add_argument("--restart", action="store_true",
+                          help="start afresh although <output-dir> holds a checkpoint; the old ones are kept, renamed")
+        ckpt.add_argument("--init-from", default=None, metavar="PATH",
+                          help="start a new run from the model weights in PATH (a checkpoint of any of these scripts, "
+                               "or a state_dict), with a fresh optimizer and schedule: to train longer, or fine-tune")
+        ckpt.add_argument("--keep", type=flags.positive_int, default=2, metavar="N",
+                          help=f"keep the newest N checkpoints ({newest}, {older}, ...); a run whose "
+                               "newest cannot be read continues from the one before")
+        ckpt.add_argument("--evaluate", action="store_true",
+                          help=f"evaluate <output-dir>/{newest} on the test set, write eval.json, do not train")
+        ckpt.add_argument("--tensorboard", action="store_true",
+                          help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
+                               "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
+        parser.checks.append(_tensorboard_missing)
+        parser.checks.append(_init_from_conflicts)
 
     @classmethod
     def for_flags(cls, args, script: str, watch_launcher: bool = False) -> "SafetyNet":
@@ -177,3 +214,17 @@ class SafetyNet:
         if self.progress is not None and self.progress.bar:
             self.progress.bar.close()
         return 0
+
+
+def _init_from_conflicts(args) -> str | None:
+    if args.init_from and args.resume:
+        return "--init-from starts a new run and --resume continues one: give one of them"
+    if args.init_from and args.evaluate:
+        return "--evaluate tests <output-dir>'s newest checkpoint; --init-from is for training (drop one of them)"
+    return None
+
+
+def _tensorboard_missing(args) -> str | None:
+    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
+        return "--tensorboard needs the tensorboard package: pip install tensorboard"
+    return None

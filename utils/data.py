@@ -103,8 +103,9 @@ def num_classes(dataset: Dataset) -> int:
 
 
 def datasets(args, env) -> tuple[Dataset, Dataset]:
-    """The training and test sets of --dataset: CIFAR-100 (downloaded by each machine's local rank 0 if
-    absent, the other ranks waiting) or the synthetic set, cut to --train-samples / --test-samples.
+    """Every rank (collective, for CIFAR-100: an all-reduce agrees it is on disk everywhere): the training and
+    test sets of --dataset, CIFAR-100 (downloaded by each machine's local rank 0 if absent, the other ranks
+    waiting) or the synthetic set, cut to --train-samples / --test-samples.
     For your own data, replace this function: return any two map-style Datasets of (image tensor, class
     index) pairs (docs/template.md)."""
     prepare(args, env)
@@ -112,7 +113,8 @@ def datasets(args, env) -> tuple[Dataset, Dataset]:
 
 
 def prepare(args, env) -> None:
-    """Make sure CIFAR-100 is on disk: local rank 0 downloads it if absent, the others wait for it."""
+    """Every rank (collective: an all-reduce of whether it worked): CIFAR-100 on disk, downloaded by local
+    rank 0 if absent while the others wait for it."""
     if args.dataset != "cifar100":
         return
     error = None

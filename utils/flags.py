@@ -1,6 +1,5 @@
 """The command-line flags every script shares, in --help groups, and the checks that need no process group."""
 import argparse
-import importlib.util
 import math
 import os
 import re
@@ -46,7 +45,8 @@ def _dashes(argv):
 
 
 def make_parser(doc: str, script: str) -> Parser:
-    """An empty parser for `script`: the script adds its own flags first, then add_shared_flags."""
+    """An empty parser for `script`: the script adds its own flags first, then add_shared_flags (and
+    SafetyNet.add_flags)."""
     return Parser(
         prog=os.path.basename(script),
         description=doc.strip().splitlines()[0],
@@ -57,10 +57,8 @@ def make_parser(doc: str, script: str) -> Parser:
 
 def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = False) -> None:
     """The flags every script has, in groups (after the script's own); `distributed` adds those of a process
-    group and DDP's; `sharded` (FSDP) leaves DDP's out and makes the checkpoints sharded directories."""
-    name = os.path.splitext(parser.prog)[0]
-    newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
-    parser.set_defaults(checkpoint_format="sharded" if sharded else "file")
+    group and DDP's; `sharded` (FSDP) leaves DDP's out. The safety net's (--output-dir, checkpoints,
+    --print-freq) are SafetyNet.add_flags's."""
     data = parser.group("data")
     data.add_argument("--data-dir", default="./data",
                       help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
@@ -90,8 +88,6 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
     if distributed:
         train.add_argument("--no-sync-bn", action="store_true",
                            help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
-    train.add_argument("--print-freq", type=positive_int, default=50,
-                       help="log progress every N steps and at each epoch's first (the only host syncs)")
     procs = parser.group("processes and devices")
     procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="auto: cuda when a GPU is visible")
@@ -101,42 +97,6 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
         procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
                            help="how long a collective waits for a missing rank before the run fails")
     techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
-    ckpt = parser.group("checkpoints and output")
-    ckpt.add_argument("--output-dir", default=os.path.join("runs", name),
-                      help=f"where metrics.jsonl, {newest} and eval.json are written")
-    ckpt.add_argument("--save-every-steps", type=non_negative_int, default=0, metavar="N",
-                      help="also write the checkpoint every N steps within an epoch (0: only at the end of each epoch)")
-    ckpt.add_argument("--resume", default=None, metavar="PATH",
-                      help=f"continue from this checkpoint (default: <output-dir>/{newest}, when there is one)")
-    ckpt.add_argument("--restart", action="store_true",
-                      help="start afresh although <output-dir> holds a checkpoint; the old ones are kept, renamed")
-    ckpt.add_argument("--init-from", default=None, metavar="PATH",
-                      help="start a new run from the model weights in PATH (a checkpoint of any of these scripts, "
-                           "or a state_dict), with a fresh optimizer and schedule: to train longer, or fine-tune")
-    ckpt.add_argument("--keep", type=positive_int, default=2, metavar="N",
-                      help=f"keep the newest N checkpoints ({newest}, {older}, ...); a run whose "
-                           "newest cannot be read continues from the one before")
-    ckpt.add_argument("--evaluate", action="store_true",
-                      help=f"evaluate <output-dir>/{newest} on the test set, write eval.json, do not train")
-    ckpt.add_argument("--tensorboard", action="store_true",
-                      help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
-                           "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
-    parser.checks.append(_tensorboard_missing)
-    parser.checks.append(_init_from_conflicts)
-
-
-def _init_from_conflicts(args) -> str | None:
-    if args.init_from and args.resume:
-        return "--init-from starts a new run and --resume continues one: give one of them"
-    if args.init_from and args.evaluate:
-        return "--evaluate tests <output-dir>'s newest checkpoint; --init-from is for training (drop one of them)"
-    return None
-
-
-def _tensorboard_missing(args) -> str | None:
-    if args.tensorboard and importlib.util.find_spec("tensorboard") is None:
-        return "--tensorboard needs the tensorboard package: pip install tensorboard"
-    return None
 
 
 def add_torchrun_flags(parser: Parser) -> None:
