@@ -73,17 +73,11 @@ class StopSignals:
     def agreed(self) -> bool:
         """True once every rank knows of a stop signal. Call once per step, at the same steps on every
         rank: it reads the flags all-reduced at the previous call and starts the next all-reduce."""
+        if self._settled_locally():
+            return bool(self.signum)
+        self.signum = self._in_flight()
         if self.signum:
             return True
-        if self._group is None:
-            self.signum = self.received
-            return bool(self.signum)
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-            if self._flag.item():
-                self.signum = int(self._flag.item())
-                return True
         self._flag.fill_(self.received)
         self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
         return False
@@ -91,18 +85,26 @@ class StopSignals:
     def agree_now(self) -> bool:
         """True on every rank iff some rank got a stop signal by now: the all-reduce in flight is waited for,
         then one more, blocking (between epochs, where a step's worth of delay would cost an evaluation)."""
-        if self.signum:
-            return True
-        if self._group is None:
-            self.signum = self.received
+        if self._settled_locally():
             return bool(self.signum)
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        self._flag.fill_(max(self.received, int(self._flag.item())))
+        self._flag.fill_(max(self.received, self._in_flight()))
         dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
         self.signum = int(self._flag.item())
         return bool(self.signum)
+
+    def _settled_locally(self) -> bool:
+        """Whether no all-reduce is needed: the ranks agreed already, or a world of one agrees with itself."""
+        if not self.signum and self._group is None:
+            self.signum = self.received
+        return bool(self.signum) or self._group is None
+
+    def _in_flight(self) -> int:
+        """Waits for the all-reduce the last agreed() started: the largest signal any rank had then (0: none)."""
+        if self._work is None:
+            return 0
+        self._work.wait()
+        self._work = None
+        return int(self._flag.item())
 
     def finish_stopped_run(self, *, epoch: int, step: int, steps: int, path: str, is_main: bool) -> int:
         """After the checkpoint of the agreed step: wait until every rank is here (so none exits while rank 0
