@@ -48,8 +48,8 @@ class SafetyNet:
         script: the training script's path, recorded in each checkpoint (one continues only its own run).
         run_flags: the flag values that define the run ({"seed": 0, "lr": 0.1, ...}); a checkpoint of a run
         with other values is refused. evaluate: the run only tests the newest checkpoint's weights (--evaluate).
-        sharded: write sharded checkpoints (FSDP). watch_launcher: also stop
-        when the process that started this one dies (torchrun's agent, the spawn parent)."""
+        sharded: write sharded checkpoints (FSDP). watch_launcher: also stop when the process that started this
+        one dies (torchrun's agent, the spawn parent)."""
         # what safety_net.checkpoint reads, under its flags' names (run_flags among them)
         self.options = SimpleNamespace(**{
             **run_flags, "output_dir": output_dir, "epochs": epochs, "batch_size": global_batch, "lr": lr,
@@ -153,7 +153,7 @@ class SafetyNet:
         self.start_at = self.checkpoint.resume()
         self.steps_per_epoch = steps_per_epoch
         self.log = metrics_log.MetricsLog(self.options, is_main=self.env.is_main, done_epochs=self.start_at[0],
-                                      done_steps=self.start_at[1], steps_per_epoch=steps_per_epoch)
+                                          done_steps=self.start_at[1], steps_per_epoch=steps_per_epoch)
         if self.start_at[0] == self.options.epochs and self.env.is_main:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
         return self.start_at[0]
