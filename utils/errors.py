@@ -65,17 +65,22 @@ def _shown(path: str) -> str:
     return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
 
 
+def _worker_lines(error: BaseException) -> list[str]:
+    """The lines of an error a DataLoader worker raised ("Caught ValueError in DataLoader worker process 0.",
+    then the worker's own traceback, its last line the original error); [] for any other error."""
+    text = str(error).strip()
+    return text.splitlines() if text.startswith("Caught ") and "worker" in text else []
+
+
 def crash_line(error: BaseException) -> str:
     """An unexpected exception as one line: its type, message and where it was raised; the whole traceback
     goes to a file in the temporary directory, which the line names. An exception raised in a DataLoader
     worker ("Caught ValueError in DataLoader worker process 0." and the worker's traceback) is told by the
     worker's own last line and place."""
-    text = str(error).strip()
     frames = traceback.extract_tb(error.__traceback__)
     where = f"{_shown(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     what = f"{type(error).__name__}: {first_line(error, 200)}"
-    if text.startswith("Caught ") and "worker" in text:  # the worker's traceback is in the message
-        lines = text.splitlines()
+    if lines := _worker_lines(error):  # the worker's traceback is in the message
         what = lines[-1][:200]
         places = [line.strip() for line in lines if line.strip().startswith('File "')]
         if places:  # 'File "/path/data.py", line 346, in __getitem__'
@@ -96,9 +101,8 @@ def crash_line(error: BaseException) -> str:
 def missing_file_line(error: OSError) -> str:
     """The one line of a file that is missing or cannot be read; from a DataLoader worker, whose message
     is "Caught FileNotFoundError in DataLoader worker process 0." and its traceback, the original line."""
-    text = str(error).strip()
-    if text.startswith("Caught ") and "worker" in text:
-        return text.splitlines()[-1].split(": ", 1)[-1][:200]
+    if lines := _worker_lines(error):
+        return lines[-1].split(": ", 1)[-1][:200]
     if error.filename and error.strerror:
         return f"{error.strerror}: {error.filename}"
     return first_line(error, 200)
