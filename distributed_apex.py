@@ -120,7 +120,7 @@ def main(argv=None):
     with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
         args.nprocs = args.nprocs or launch.default_nprocs(args.device)
         launch.check_before_spawn(args)
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+        SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
     # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
     with launch.spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

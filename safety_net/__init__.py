@@ -115,6 +115,13 @@ class SafetyNet:
             checkpoints.check_output_dir_free(args.output_dir)
         checkpoints.check_before_start(args, script)
 
+    @staticmethod
+    def check_flags_before_spawn(args, script: str) -> None:
+        """check_flags_before_start in a process that only starts the ranks (mp.spawn's parent): it keeps
+        nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
+        SafetyNet.check_flags_before_start(args, script)
+        checkpoints.forget_last_read()
+
     def recorded_precision(self) -> tuple[str | None, str | None]:
         """(precision, path): what the checkpoint this run continues trained in (utils.precision.autocast_dtype
         keeps it), and where it is; (None, None) for a new run or --evaluate."""

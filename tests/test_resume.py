@@ -253,3 +253,15 @@ def test_a_resuming_process_reads_its_checkpoint_once(tmp_path, monkeypatch):
     assert len(reads) == 1, reads
     checkpoint.check_before_start(args, "distributed.py")  # after the resume the kept copy is gone: read again
     assert len(reads) == 2
+
+
+def test_the_spawn_parent_keeps_no_checkpoint_after_its_checks(tmp_path):
+    """The parent of the spawned ranks reads the checkpoint to check it, then only waits: it keeps nothing."""
+    from safety_net import SafetyNet
+    tiny_checkpoints(tmp_path, nn.Linear(3, 2)).save(1)
+    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False,
+                           evaluate=False, epochs=3, init_from=None)
+    SafetyNet.check_flags_before_start(args, "distributed.py")
+    assert checkpoint._last_read[1] is not None  # a rank keeps it for its resume
+    SafetyNet.check_flags_before_spawn(args, "distributed.py")
+    assert checkpoint._last_read == (None, None)
