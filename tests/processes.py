@@ -65,10 +65,12 @@ class Run:
             assert time.monotonic() < deadline, f"no {text!r} within {timeout} s:\n{self.output}"
         raise AssertionError(f"the run ended before {text!r}:\n{self.output}")
 
-    def finish(self, timeout: float = 60) -> tuple[int, float]:
+    def finish(self, timeout: float = 60, started: list[int] = ()) -> tuple[int, float]:
         """Wait for the launcher and every process it started; returns (exit status, seconds until the
-        last of them was gone). A process still running after `timeout` fails the test and is killed."""
-        pids = process_tree(self.proc.pid)
+        last of them was gone). A process still running after `timeout` fails the test and is killed.
+        `started`: processes seen before a launcher was killed outright (its children are then orphans,
+        no longer in its tree; one closes its end of the output pipe a moment before it is gone)."""
+        pids = process_tree(self.proc.pid) + list(started)
         start = time.monotonic()
         try:
             self.lines += self.proc.stdout.readlines()

@@ -139,7 +139,7 @@ def test_a_launcher_killed_outright_leaves_no_rank_running(kind, tmp_path):
     started.wait_for("epoch 1/1 step 1/6")
     ranks = [p for p in process_tree(started.proc.pid) if p != started.proc.pid]
     os.kill(started.proc.pid, signal.SIGKILL)
-    status, seconds = started.finish()
+    status, seconds = started.finish(started=ranks)  # fails, naming them, if a rank outlives 60 s
     print(f"\n{kind} killed: its ranks gone {seconds:.1f} s later")
     assert status == -signal.SIGKILL and not alive(ranks)
     assert "stopped by the launcher's exit" in started.output, started.output
