@@ -86,13 +86,15 @@ def train(args, env, net) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__, watch_launcher=launch.has_torchrun_agent())  # catches Ctrl-C, SIGTERM
+    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-        env = launch.this_process(args)  # rank, world size, device and meeting point, from torchrun's environment
-        # join the process group: every rank waits here until all env.world_size processes have joined
-        dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
-                                timeout=env.timeout)
+        env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
+                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
         net.arm(env)
         try:
             status = train(args, env, net)

@@ -5,6 +5,7 @@
     python distributed_mp.py --nnodes 2 --node-rank 0 --ip 10.0.0.1 --port 29500   # on machine 0 of 2
     torchrun --standalone --nproc_per_node=2 distributed_mp.py   # torchrun's processes: spawns none
 """
+import os
 import sys
 
 import torch
@@ -85,14 +86,18 @@ def train(args, env, net) -> int:
     return net.finish()
 
 
-def worker(local_rank, args):
-    """Runs in each spawned process; its global rank is node_rank * nprocs + local_rank."""
-    net = SafetyNet.for_flags(args, __file__, watch_launcher=True)  # catches Ctrl-C, SIGTERM, the parent's death
+def worker(local_rank, args):  # runs in each spawned process (local_rank None: in a process torchrun started)
+    if local_rank is not None:  # what torchrun would have set: dist.init_process_group reads it
+        os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
+                          RANK=str(args.node_rank * args.nprocs + local_rank), LOCAL_RANK=str(local_rank))
+    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
     with exit_on_error():
-        env = launch.this_process(args, local_rank)  # rank, world size, device and meeting point (--ip:--port)
-        # join the process group: every rank waits here until all env.world_size processes have joined
-        dist.init_process_group(env.backend, store=env.store, rank=env.rank, world_size=env.world_size,
-                                timeout=env.timeout)
+        env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
+                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
         net.arm(env)
         try:
             status = train(args, env, net)

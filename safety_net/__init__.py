@@ -23,6 +23,7 @@ every rank calls it at the same line of the script: moved onto one rank's path, 
     return net.finish()
 """
 import importlib.util
+import multiprocessing
 import os
 from types import SimpleNamespace
 
@@ -32,7 +33,7 @@ from safety_net import checkpoint as checkpoints
 from safety_net import metrics_log, stopping
 from safety_net.progress import EpochProgress
 from safety_net.sharded_checkpoint import ShardedCheckpoint
-from utils import flags
+from utils import flags, launch
 
 
 class SafetyNet:
@@ -97,8 +98,10 @@ class SafetyNet:
         parser.checks.append(_init_from_conflicts)
 
     @classmethod
-    def for_flags(cls, args, script: str, watch_launcher: bool = False) -> "SafetyNet":
-        """The net for the scripts' flags (utils.flags): the one place that reads them for it."""
+    def for_flags(cls, args, script: str) -> "SafetyNet":
+        """The net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
+        launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn."""
+        watch_launcher = launch.has_torchrun_agent() or multiprocessing.parent_process() is not None
         return cls(script, output_dir=args.output_dir, epochs=args.epochs, global_batch=args.batch_size, lr=args.lr,
                    seed=args.seed, run_flags=checkpoints.run_flags(args), print_freq=args.print_freq, keep=args.keep,
                    save_every_steps=args.save_every_steps, resume=args.resume, restart=args.restart,

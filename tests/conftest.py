@@ -56,6 +56,7 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     handlers a script installs are undone."""
     import signal
     saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    environment = dict(os.environ)  # launch.this_process fills in MASTER_ADDR/MASTER_PORT for a world of one
     try:
         main(argv)
         code = 0
@@ -65,6 +66,8 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
         for signum, handler in saved.items():
             signal.signal(signum, handler)
         signal.set_wakeup_fd(-1)
+        os.environ.clear()
+        os.environ.update(environment)
     said = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, said.out, said.err)
 

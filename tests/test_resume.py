@@ -1,4 +1,5 @@
 """Checkpoints and resume: a killed rank costs the steps since the last checkpoint, never the run."""
+import datetime
 import os
 import shutil
 import signal
@@ -198,12 +199,9 @@ def test_truncated_and_foreign_checkpoints_are_refused_untouched(reference, tmp_
 
 def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
     """Rank 1 joins, then hangs; rank 0's next collective must fail after --dist-timeout seconds."""
-    from utils import collectives, launch
-    args = SimpleNamespace(device="cpu", backend="gloo", dist_timeout=3, node_rank=0, nprocs=2, nnodes=1,
-                           ip="127.0.0.1", port=port)
-    env = launch.this_process(args, rank)
-    torch.distributed.init_process_group(env.backend, store=env.store, rank=rank, world_size=world_size,
-                                         timeout=env.timeout)
+    from utils import collectives
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # as distributed_mp.py's ranks (--dist-timeout 3)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=3))
     if rank == 1:
         event.wait(60)  # alive but silent, like a frozen or partitioned machine
         os._exit(0)

@@ -38,7 +38,7 @@ def first_line(error: BaseException, limit: int = 160) -> str:
 def report(message: str) -> None:
     """Print one error line; under a launcher only local rank 0 of each machine speaks, so the N ranks
     of a machine do not repeat it (and a machine that cannot reach the others still says why)."""
-    if os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")) == "0":
+    if os.environ.get("LOCAL_RANK", "0") == "0":
         prog = os.path.basename(sys.argv[0]) or "python"
         print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
 
@@ -119,8 +119,9 @@ def _exit(status: int):
 def exit_on_error():
     """Turn a UsageError, Diverged or StorageError raised inside the block into its line on stderr and exit status;
     a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a process group that
-    times out waiting for its ranks are UsageErrors too. Any other exception is one line from the rank that
-    raised it (crash_line), exit status 1; a rank whose collective failed because another left exits quietly."""
+    cannot form (dist.init_process_group fails: a busy port, a rank that never came) are UsageErrors too. Any
+    other exception is one line from the rank that raised it (crash_line), exit status 1; a rank whose
+    collective failed because another left exits quietly."""
     try:
         yield
     except (UsageError, Diverged, StorageError) as error:
@@ -129,12 +130,28 @@ def exit_on_error():
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         say(f"{missing_file_line(error)} (check --data-dir and the paths given)")  # your datasets(), say
         _exit(UsageError.exit_status)
-    except torch.distributed.DistStoreError as error:  # in init_process_group: a rank that never came
-        report(f"not all processes joined within --dist-timeout ({str(error).splitlines()[0][:120]}); "
-               "is every machine started, with the same --nnodes and --nprocs?")
-        _exit(UsageError.exit_status)
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
+        if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
+            report(rendezvous_line(error))
+            _exit(UsageError.exit_status)
         if lost_a_peer(error):  # another rank failed, or was killed: it, or the launcher, says why
             _exit(1)
         say(crash_line(error))
         _exit(1)
+
+
+def _raised_in(error: BaseException, *functions: str) -> bool:
+    return any(frame.name in functions for frame in traceback.extract_tb(error.__traceback__))
+
+
+def rendezvous_line(error: BaseException) -> str:
+    """Why the process group did not form, in one line: where its ranks were to meet (MASTER_ADDR:MASTER_PORT)
+    and the likeliest cause, from the words of torch's error."""
+    where, text = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", first_line(error, 120)
+    if "EADDRINUSE" in str(error) or "failed to listen" in text:
+        return f"cannot host the rendezvous on {where} ({text}); choose another --port"
+    if "trying to connect" in text:
+        return (f"could not reach the rendezvous at {where} within --dist-timeout ({text}); "
+                "is node 0 started, are the address and port right and the port open?")
+    return (f"not all processes joined at {where} within --dist-timeout ({text}); "
+            "is every machine started, with the same --nnodes and --nprocs?")

@@ -1,9 +1,10 @@
 """Launch plumbing: who this process is in the job, and where its ranks meet, for every way to start it.
 
 torchrun (or torch.distributed.launch) describes each process in environment variables, srun in SLURM's,
-torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index; `this_process`
-reads whichever applies and returns plain values that the scripts pass to dist.init_process_group.
-The rest checks a launch before any process starts, so that a wrong value is one line, not a hang.
+torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index (the spawn scripts set
+torchrun's variables from those); `this_process` reads torchrun's variables, filling in those a start left
+out, so that dist.init_process_group can read them too. The rest checks a launch before any process starts,
+so that a wrong value is one line, not a hang.
 """
 import contextlib
 import datetime
@@ -29,7 +30,6 @@ class Env:
     world_size: int  # number of processes of the job
     device: torch.device
     backend: str = "gloo"  # nccl on GPUs, gloo on the CPU
-    store: dist.Store | None = None  # where the ranks meet to form the process group
     timeout: datetime.timedelta = datetime.timedelta(seconds=300)  # --dist-timeout
 
     @property
@@ -64,68 +64,46 @@ def check_launch(args, local_processes: int, gpu_count: int | None = None) -> No
                          f"{backend} needs one GPU per process (lower --nprocs or use --device cpu)")
 
 
-def this_process(args, local_rank: int | None = None) -> Env:
-    """This process's place in the job, its device (made the current CUDA device) and the store where the
-    ranks meet. local_rank=None: started by torchrun/launch/srun, the environment says who we are (a plain
-    `python script.py` is a world of one). Otherwise: started by mp.spawn as process `local_rank`."""
+def this_process(args) -> Env:
+    """This process's place in the job, from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE), and
+    its device and backend. What dist.init_process_group reads from the environment (MASTER_ADDR, MASTER_PORT)
+    is filled in where a start left it out: srun's tasks from SLURM's variables, a launcher that sets no
+    address from --ip/--port (and --local-rank), a plain `python script.py` as a world of one."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     flags.check_address(args.ip)
-    timeout = datetime.timedelta(seconds=args.dist_timeout)
-    if local_rank is None and "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:
         # srun started this process, no launcher: SLURM says who we are, node 0's first host hosts the store
-        rank, world_size, local_rank = (int(os.environ[k]) for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"))
         addr, port = slurm_address(args)
-        store = rendezvous(addr, port, rank, world_size, timeout, f"{world_size} SLURM tasks")
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
-    elif local_rank is None:
-        rank = int(os.environ.get("RANK", 0))
-        world_size = int(os.environ.get("WORLD_SIZE", 1))
-        local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
-        # the launcher's address; --ip/--port for launchers that set none
-        addr = os.environ.get("MASTER_ADDR") or getattr(args, "ip", None)
-        port = int(os.environ.get("MASTER_PORT") or getattr(args, "port", None) or 29500)
-        if world_size > 1 and not addr:
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
+                          LOCAL_RANK=os.environ["SLURM_LOCALID"], MASTER_ADDR=addr, MASTER_PORT=str(port))
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    if not os.environ.get("MASTER_ADDR"):  # the launcher set no address: --ip/--port, or a world of one
+        if world_size > 1 and not getattr(args, "ip", None):
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
-            store = _agent_store(timeout)
-        elif addr:
-            store = rendezvous(addr, port, rank, world_size, timeout, f"WORLD_SIZE={world_size}")
-        else:
-            store = dist.HashStore()
-    else:
-        rank = args.node_rank * args.nprocs + local_rank
-        world_size = args.nnodes * args.nprocs
-        os.environ.update(RANK=str(rank), LOCAL_RANK=str(local_rank))  # so errors.report knows who speaks
-        shape = f"--nnodes {args.nnodes} --nprocs {args.nprocs}"
-        store = rendezvous(args.ip, args.port, rank, world_size, timeout, shape)
+        os.environ["MASTER_ADDR"] = getattr(args, "ip", None) or "127.0.0.1"
+        # a world of one meets only itself, on any free port (0); else where the other processes were sent
+        os.environ["MASTER_PORT"] = str(getattr(args, "port", None) or (29500 if world_size > 1 else 0))
+    os.environ.setdefault("MASTER_PORT", str(getattr(args, "port", None) or 29500))
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                          f"{backend} needs one GPU per process; start fewer processes or use --device cpu")
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL, and every .cuda() without an index, use this process's GPU
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
-               store=store, timeout=timeout)
+               timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-def rendezvous(addr: str, port: int, rank: int, world_size: int, timeout, shape: str) -> dist.Store:
-    """The job's store at addr:port, hosted by rank 0. Every process states the job's shape (for spawn:
-    --nnodes and --nprocs); the first statement wins and a process that says otherwise stops, before
-    any training, instead of waiting for ranks that will never come."""
-    try:
-        store = dist.TCPStore(addr, port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False)
-    except dist.DistError as error:
-        reason = str(error).splitlines()[0][:120]
-        if rank == 0:
-            raise UsageError(f"cannot host the rendezvous on {addr}:{port} ({reason}); choose another --port") from None
-        raise UsageError(f"could not reach the rendezvous at {addr}:{port} within {timeout.seconds} s ({reason}); "
-                         "is node 0 started, are the address and port right and the port open?") from None
-    agreed = store.compare_set("job-shape", "", shape).decode()
-    if agreed != shape:
-        raise UsageError(f"this machine was started with {shape}, another one with {agreed}; "
-                         "start every machine with the same values")
-    return dist.PrefixStore("job", store)
+def torchrun_restart_store(timeout: datetime.timedelta) -> dist.Store | None:
+    """None (dist.init_process_group then meets at MASTER_ADDR:MASTER_PORT as usual), except in ranks that
+    torchrun restarted (--max-restarts): its store with a key prefix per restart. The agent keeps one store
+    across restarts, and without the prefix a restarted rank can read the address a rank of the killed group
+    published and fail to connect to it (a race, seen here 2 times in 5; pytorch/pytorch#167288)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == 0:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
+    return dist.PrefixStore(f"attempt_{restarts}", store)
 
 
 def first_host(nodelist: str) -> str:
@@ -144,15 +122,6 @@ def slurm_address(args) -> tuple[str, int]:
     port = (getattr(args, "port", None) or int(os.environ.get("MASTER_PORT", 0))
             or 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
     return addr, port
-
-
-def _agent_store(timeout) -> dist.Store:
-    """torchrun's store, with a key prefix per restart attempt. The agent keeps one store across
-    --max-restarts, and without the prefix a restarted rank can read the address a rank of the killed
-    group published and fail to connect to it (a race; pytorch/pytorch#167288)."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                          timeout=timeout)
-    return dist.PrefixStore(f"attempt_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def launched_by_torchrun() -> bool:
