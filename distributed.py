@@ -58,7 +58,7 @@ def train(args, env, net) -> int:
     # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                 **techniques.ddp_options(args))
-    techniques.register_comm_hook(model, args.comm_hook, train_loader.steps)  # float32 all-reduce, or compressed
+    techniques.register_comm_hook(model, args.comm_hook, train_loader.steps)  # --comm-hook: compressed gradients
     techniques.compile_if_asked(model, args)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)

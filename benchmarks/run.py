@@ -8,8 +8,8 @@
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
-median images/s of the others is reported, with the peak memory and gradient all-reduces per
-optimizer step that the script writes to metrics.jsonl. On the CPU the rows load their batches in the
+median images/s of the others is reported, with the peak memory that the script writes to
+metrics.jsonl. On the CPU the rows load their batches in the
 rank (--workers 0: the cores compute) but two, which start the scripts' default DataLoader workers under
 torchrun and under spawn, the data path users run. The ideal is measured in the same run:
 N independent processes of the bare training step (benchmarks/bare_step.py: no process group,
@@ -193,7 +193,6 @@ def run_row(row: Row, args) -> dict:
     timed = records[1:]
     return {"processes": processes, "images_per_s": statistics.median(r["images_per_s"] for r in timed),
             "peak_memory_mb": max(r["peak_memory_mb"] for r in records),
-            "grad_allreduces_per_step": timed[-1]["grad_allreduces_per_step"],
             "wall_s": time.perf_counter() - started}
 
 
@@ -300,23 +299,23 @@ def markdown(results: dict) -> str:
             continue
         lines += [f"### {title}", "",
                   "| row | script + flags | processes | images/s | s per 50,000-image epoch | vs ideal | vs DDP "
-                  "| grad all-reduces / step | peak MB / process | TFLOP/s (% of peak) |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| peak MB / process | TFLOP/s (% of peak) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in results["rows"] if r["table"] == table):
             what = f"`{r['script']}{' ' + ' '.join(r['flags']) if r['flags'] else ''}`"
             if "images_per_s" not in r:
-                lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | | |")
+                lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | |")
                 continue
             rate, peak = r["images_per_s"], meta["peak_tflops"].get(r["amp"] or "float32")
             tflops = rate * meta["flops_per_image"] / 1e12
             ideal_rate = meta["ideal"].get(r["amp"] or "float32", {}).get("images_per_s")
             lines.append(
                 f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
-                f"| {rate / ideal_rate:.2f} | {rate / base['images_per_s']:.2f} | {r['grad_allreduces_per_step']:g} "
+                f"| {rate / ideal_rate:.2f} | {rate / base['images_per_s']:.2f} "
                 f"| {r['peak_memory_mb']:.0f} | {tflops:.3g} ({100 * tflops / peak:.0f}%) |"
                 if ideal_rate and base and peak else
                 f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} | | "
-                f"| {r['grad_allreduces_per_step']:g} | {r['peak_memory_mb']:.0f} | {tflops:.3g} |")
+                f"| {r['peak_memory_mb']:.0f} | {tflops:.3g} |")
         lines.append("")
     return "\n".join(lines)
 

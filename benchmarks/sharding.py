@@ -34,11 +34,12 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torchvision
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils import models, techniques
+from utils import models
 from utils.launch import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -66,12 +67,13 @@ def build(name: str) -> nn.Module:
 
 
 def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
-    """As the scripts do: SyncBatchNorm, then DDP (with the all-reduce hook distributed.py counts with) or FSDP."""
+    """As the scripts do: SyncBatchNorm, then DDP or FSDP. DDP gets torch's own all-reduce hook (the arithmetic of its
+    built-in path), which calls dist.all_reduce, so that the count here sees its all-reduces."""
     sync_bn = nn.SyncBatchNorm if device.type == "cuda" else CpuSyncBatchNorm
     model = sync_bn.convert_sync_batchnorm(model).to(device)
     if strategy == "DDP":
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-        techniques.register_comm_hook(model, "none", steps_per_epoch=1)  # torch's all-reduce, through dist.all_reduce
+        model.register_comm_hook(None, default_hooks.allreduce_hook)
         return model
     reshard = strategy == "FSDP"
     if isinstance(model, torchvision.models.ResNet):

@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from utils import collectives, techniques
+from utils import collectives
 from utils.errors import Diverged
 
 
@@ -33,7 +33,6 @@ class EpochProgress:
                         leave=False, dynamic_ncols=True) if bar_wanted else None
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
-        self.allreduces_at_start = techniques.grad_allreduces()
         self.start = time.perf_counter()
         self.end = None  # when the epoch's last step was done
 
@@ -83,16 +82,14 @@ class EpochProgress:
         return loss_sum, count
 
     def summary(self) -> dict:
-        """Mean training loss over all ranks and steps, time and throughput (one all-reduce), this
-        rank's gradient all-reduces per optimizer step and its peak memory."""
+        """Mean training loss over all ranks and steps, time and throughput (one all-reduce), and this
+        rank's peak memory."""
         loss_sum, count = self.loss_so_far()
         seconds = (self.end or time.perf_counter()) - self.start
         if self.bar:
             self.bar.close()
         return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
                 "images_per_s": self.recorded * self.global_batch / seconds if self.recorded else None,
-                "grad_allreduces_per_step": (techniques.grad_allreduces() - self.allreduces_at_start)
-                / max(self.recorded, 1),
                 "peak_memory_mb": peak_memory_mb(self.env.device)}
 
 

@@ -24,7 +24,7 @@ EQUIVALENT = {
     "dataparallel": ("python", "dataparallel.py"),
 }
 METRIC_FIELDS = {"epoch", "lr", "train_loss", "test_loss", "top1", "top5", "epoch_time_s", "images_per_s",
-                 "world_size", "grad_allreduces_per_step", "peak_memory_mb"}
+                 "world_size", "peak_memory_mb"}
 
 
 def get(runs, name):

@@ -201,7 +201,8 @@ def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
     """Rank 1 joins, then hangs; rank 0's next collective must fail after --dist-timeout seconds."""
     from utils import collectives
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))  # as distributed_mp.py's ranks (--dist-timeout 3)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=3))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world_size,
+                                         timeout=datetime.timedelta(seconds=3))
     if rank == 1:
         event.wait(60)  # alive but silent, like a frozen or partitioned machine
         os._exit(0)
@@ -213,7 +214,6 @@ def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
         results.put((str(error).splitlines()[0][:200], time.perf_counter() - start))
     finally:
         event.set()
-    del env
 
 
 def test_a_silent_peer_fails_the_collective_within_the_timeout():

@@ -1,13 +1,12 @@
 """The speed techniques the scripts can switch on, each behind a flag: DDP's settings, gradient
 compression hooks, channels-last memory, torch.compile, the optimizer's step implementation.
 
-Each is torch's own part; this module only maps the flags onto it and counts the gradient
-all-reduces (a Python integer per bucket, no device sync) so that metrics.jsonl can report them.
+Each is torch's own part; this module only maps the flags onto it. Without a flag DDP runs as torch ships
+it (no communication hook).
 """
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -15,7 +14,6 @@ from utils.errors import UsageError
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
-_grad_allreduces = 0  # gradient buckets this process has sent to an all-reduce
 
 
 def add_flags(group, ddp: bool) -> None:
@@ -57,30 +55,18 @@ def ddp_options(args) -> dict:
 
 
 def register_comm_hook(model: nn.parallel.DistributedDataParallel, name: str, steps_per_epoch: int) -> None:
-    """Install --comm-hook on the DDP model, counting the buckets it all-reduces. `none` installs
-    torch's allreduce_hook, the float32 all-reduce DDP does without a hook, so it can be counted too."""
+    """Install --comm-hook on the DDP model; `none` installs nothing (DDP's own float32 all-reduce)."""
+    if name == "none":
+        return
     if name == "powersgd":
         # rank-2 approximation with error feedback; the first epoch all-reduces in full, as torch
         # advises, so that the weights settle before the gradients are compressed
         state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=2,
                                             start_powerSGD_iter=max(2, steps_per_epoch))
-        hook = powerSGD_hook.powerSGD_hook
+        model.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     else:
-        state = None
-        hook = {"none": default_hooks.allreduce_hook, "fp16": default_hooks.fp16_compress_hook,
-                "bf16": default_hooks.bf16_compress_hook}[name]
-
-    def counted(state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        global _grad_allreduces
-        _grad_allreduces += 1
-        return hook(state, bucket)
-
-    model.register_comm_hook(state, counted)
-
-
-def grad_allreduces() -> int:
-    """Gradient all-reduces issued by this process so far (one per DDP bucket per synchronised backward)."""
-    return _grad_allreduces
+        model.register_comm_hook(None, {"fp16": default_hooks.fp16_compress_hook,
+                                        "bf16": default_hooks.bf16_compress_hook}[name])
 
 
 def memory_format(args) -> torch.memory_format:
