@@ -17,7 +17,8 @@ from torch.utils.data import DistributedSampler
 
 from safety_net import SafetyNet
 from utils import data, flags, launch, metrics, models, precision, techniques
-from utils.errors import UsageError, exit_on_error
+from utils.errors import exit_on_error
+from utils.gpus import gpus_for_dataparallel
 
 
 def parse_args(argv=None):
@@ -75,7 +76,7 @@ def train(args, env, net, gpus) -> int:
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
     model = model.to(env.device, memory_format=techniques.memory_format(args))
-    techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (see choose_gpus)
+    techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (utils/gpus.py)
     model = AutocastInForward(model, amp_dtype)  # mixed precision inside each replica (a no-op for float32)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
@@ -107,43 +108,12 @@ def train(args, env, net, gpus) -> int:
     return net.finish()
 
 
-def choose_gpus(args) -> list[int]:
-    """The GPU indices named by --gpu (all visible ones by default); [] to run on the CPU."""
-    visible = torch.cuda.device_count()
-    if launch.resolve_device(args.device) == "cpu":
-        if args.gpu:
-            why = "--device cpu was asked for" if visible else "no GPU is visible (check CUDA_VISIBLE_DEVICES)"
-            raise UsageError(f"--gpu {args.gpu} names GPUs, but {why}; drop --gpu to train on the CPU")
-        print("no GPU in use: DataParallel trains on the CPU as a single replica", file=sys.stderr)
-        return []
-    if args.gpu is None:
-        gpus = list(range(visible))
-    else:
-        gpus = parse_gpus(args.gpu, visible)
-    if args.compile and len(gpus) > 1:  # a compiled module runs its own weights, not a replica's
-        raise UsageError(f"--compile with DataParallel on {len(gpus)} GPUs: torch.compile does not follow "
-                         "DataParallel's replicas; use DDP (distributed.py) or one GPU")
-    return gpus
-
-
-def parse_gpus(text: str, visible: int) -> list[int]:
-    try:
-        gpus = [int(g) for g in text.split(",")]
-    except ValueError:
-        raise UsageError(f"--gpu {text}: expected GPU indices like 0,1,2,3") from None
-    missing = [g for g in gpus if not 0 <= g < visible]
-    if missing or len(set(gpus)) != len(gpus):
-        raise UsageError(f"--gpu {text}: GPU {missing[0] if missing else 'index repeated'} is not usable; "
-                         f"visible GPUs are 0..{visible - 1} (CUDA_VISIBLE_DEVICES renumbers them from 0)")
-    return gpus
-
-
 def main(argv=None):
     args = parse_args(argv)
     net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-        gpus = choose_gpus(args)
+        gpus = gpus_for_dataparallel(args.gpu, args.device, args.compile)  # --gpu, or all visible; [] on the CPU
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group
         net.arm(env)

@@ -1,16 +1,12 @@
-"""Fully sharded data parallel (FSDP2's fully_shard) started by torchrun, ResNet-18 on CIFAR-100.
-
-Each of the N ranks holds 1/N of the weights, gradients and optimizer state.
+"""Fully sharded data parallel (FSDP2's fully_shard) started by torchrun, ResNet-18 on CIFAR-100: each of the
+N ranks holds 1/N of the weights, gradients and optimizer state. It trains distributed.py's model to the same
+weights (tests/test_fsdp.py); what changes is what a rank holds and communicates: docs/sharding.md.
 
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
     python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
-
-It trains the model of distributed.py to the same weights (tests/test_fsdp.py); what it changes is what a
-rank holds and what it communicates: docs/sharding.md.
 """
-import argparse
 import sys
 
 import torch
@@ -27,14 +23,9 @@ from utils.syncbn import CpuSyncBatchNorm
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    parser.group("sharding").add_argument(
-        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-        help="free each stage's gathered weights after its forward and gather them again for backward (least "
-             "memory, like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather "
-             "fewer per stage and step, like ZeRO-2)")
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
-    flags.add_shared_flags(parser, sharded=True)
+    flags.add_shared_flags(parser, sharded=True)  # and --reshard-after-forward
     SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories of shards), --evaluate
     return flags.parse(parser, argv)
 
@@ -63,8 +54,8 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward
     if amp_dtype:  # BatchNorm stays float32, as under autocast (its statistics are float32): a unit of its own
         for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
             fully_shard(norm, reshard_after_forward=False)  # float32 policy; a few KB each, kept gathered
-    # Each residual stage is one unit: all-gathered just before its forward, freed after it (with
-    # reshard_after_forward), gathered again for its backward, its gradients then reduce-scattered.
+    # each residual stage one unit: gathered for its forward, freed after it (reshard_after_forward) and
+    # gathered again for its backward, its gradients then reduce-scattered
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
         fully_shard(stage, mp_policy=MixedPrecisionPolicy(**policy), reshard_after_forward=reshard_after_forward)
     # the root unit holds the rest (stem, fc), and gives the logits back in float32 for the loss

@@ -49,7 +49,7 @@ def make_parser(doc: str, script: str) -> Parser:
     SafetyNet.add_flags)."""
     return Parser(
         prog=os.path.basename(script),
-        description=doc.strip().splitlines()[0],
+        description=" ".join(doc.strip().split("\n\n")[0].split()),  # the docstring's first paragraph
         epilog="Underscore spellings of the flags (--batch_size, --local_rank, ...) are accepted too.",
         formatter_class=HelpFormatter,
     )
@@ -57,8 +57,8 @@ def make_parser(doc: str, script: str) -> Parser:
 
 def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = False) -> None:
     """The flags every script has, in groups (after the script's own); `distributed` adds those of a process
-    group and DDP's; `sharded` (FSDP) leaves DDP's out. The safety net's (--output-dir, checkpoints,
-    --print-freq) are SafetyNet.add_flags's."""
+    group and DDP's; `sharded` (FSDP) leaves DDP's out and adds --reshard-after-forward. The safety net's
+    (--output-dir, checkpoints, --print-freq) are SafetyNet.add_flags's."""
     data = parser.group("data")
     data.add_argument("--data-dir", default="./data",
                       help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
@@ -96,6 +96,12 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
                            help="process-group backend; auto: nccl on GPU, gloo on CPU")
         procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
                            help="how long a collective waits for a missing rank before the run fails")
+    if sharded:
+        parser.group("sharding").add_argument(
+            "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+            help="free each stage's gathered weights after its forward and gather them again for backward (least "
+                 "memory, like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather "
+                 "fewer per stage and step, like ZeRO-2)")
     techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
 
 
