@@ -27,6 +27,7 @@ def parse_args(argv=None):
         "--gpu", default=None, metavar="0,1,...",
         help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
     precision.add_flags(parser, opt_level_default="O0")  # --opt-level O1 and --amp-dtype: mixed precision
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser, distributed=False)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)

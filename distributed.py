@@ -22,6 +22,7 @@ from utils.syncbn import CpuSyncBatchNorm
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)

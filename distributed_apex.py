@@ -29,6 +29,7 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     precision.add_flags(parser, apex_optimizer=True)  # --opt-level, --amp-dtype, --optimizer: apex's names
     flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)

@@ -25,6 +25,7 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser, sharded=True)  # and --reshard-after-forward
     SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories of shards), --evaluate
     return flags.parse(parser, argv)

@@ -32,6 +32,7 @@ def parse_args(argv=None):
         "--grad-accu-steps", type=flags.positive_int, default=2,
         help="micro-batches per optimizer step; must divide the per-rank batch")
     flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)

@@ -24,6 +24,7 @@ from utils.syncbn import CpuSyncBatchNorm
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     return flags.parse(parser, argv)

@@ -21,14 +21,17 @@ MODEL = '''
 def resnet18_cifar(num_classes: int = 100) -> nn.Module:
     return torchvision.models.mobilenet_v3_small(num_classes=num_classes)
 '''
-DATA = '''
-def datasets(args, env) -> tuple[Dataset, Dataset]:
-    from torchvision.datasets import ImageFolder
-    from torchvision.transforms import v2
-    to_tensor = v2.Compose([v2.ToImage(), v2.ToDtype(torch.float32, scale=True)])
-    return (ImageFolder(os.path.join(args.data_dir, "train"), to_tensor),
-            ImageFolder(os.path.join(args.data_dir, "test"), to_tensor))
-'''
+
+
+def page_block(language: str) -> str:
+    """The first ```language block of docs/template.md, as the page has it (its indentation removed)."""
+    import textwrap
+    page = (ROOT / "docs" / "template.md").read_text()
+    block = page.split(f"```{language}\n", 1)[1].split("```", 1)[0]
+    return textwrap.dedent(block)
+
+
+DATA = page_block("python")  # the page's add_flags() and datasets() for an image folder
 
 
 def replace_function(path: Path, name: str, source: str) -> None:
@@ -36,6 +39,13 @@ def replace_function(path: Path, name: str, source: str) -> None:
     lines = path.read_text().splitlines(keepends=True)
     (node,) = [n for n in ast.parse("".join(lines)).body if isinstance(n, ast.FunctionDef) and n.name == name]
     path.write_text("".join(lines[:node.lineno - 1]) + source.lstrip("\n") + "".join(lines[node.end_lineno:]))
+
+
+def replace_functions(path: Path, source: str) -> None:
+    """Replace each top-level function of `source` in the module at `path` by its namesake in `source`."""
+    lines = source.splitlines(keepends=True)
+    for node in (n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)):
+        replace_function(path, node.name, "".join(lines[node.lineno - 1:node.end_lineno]))
 
 
 def write_image_folder(root: Path, per_class: dict[str, int]) -> None:
@@ -58,8 +68,8 @@ def template(tmp_path) -> Path:
     shutil.copy(ROOT / "distributed.py", copy)
     shutil.copytree(ROOT / "safety_net", copy / "safety_net", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
-    replace_function(copy / "utils" / "models.py", "resnet18_cifar", MODEL)
-    replace_function(copy / "utils" / "data.py", "datasets", DATA)
+    replace_functions(copy / "utils" / "models.py", MODEL)
+    replace_functions(copy / "utils" / "data.py", DATA)
     write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
     return copy
 
@@ -70,6 +80,11 @@ def torchrun(script: Path, nprocs: int) -> list[str]:
 
 @pytest.mark.slow
 def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exactly(template, tmp_path):
+    said = check(subprocess.run([sys.executable, str(template / "distributed.py"), "--help"], cwd=tmp_path,
+                                env=subprocess_env(), capture_output=True, text=True, timeout=120)).stdout
+    data_flags = " ".join(said.split("\ndata:\n", 1)[1].split("\n\n", 1)[0].split())
+    assert "one folder of images per class" in data_flags and "CIFAR" not in data_flags, data_flags
+    assert "--dataset" not in said and "--train-samples" not in said
     out = tmp_path / "run"
     flags = ["--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "2", "--batch-size", "16",
              "--workers", "0", "--print-freq", "1", "--lr", "0.05", "--output-dir", str(out)]
@@ -125,7 +140,7 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     copy.mkdir()
     shutil.copy(ROOT / "distributed.py", copy)
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
-    replace_function(copy / "utils" / "data.py", "datasets", DATA)  # ResNet-18 stays, with 6 outputs
+    replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
     subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)
     assert "safety_net" not in (copy / "distributed.py").read_text()
     write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})

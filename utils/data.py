@@ -18,7 +18,7 @@ import torchvision
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
 
-from utils import collectives
+from utils import collectives, flags
 from utils.errors import UsageError
 from utils.workers import WorkersForkedWithSignalsHeld, leave_stop_signals_to_the_rank
 
@@ -100,6 +100,27 @@ def num_classes(dataset: Dataset) -> int:
         return int(max(int(t) for t in dataset.targets)) + 1
     raise UsageError(f"cannot tell how many classes the {type(dataset).__name__} training set has: give it "
                      "a `classes` list of class names, as torchvision's datasets have")
+
+
+def add_flags(parser) -> None:
+    """The data flags, read by datasets() and the loaders below. With data of your own, edit them beside your
+    datasets(): a flag your data ignores is better deleted (a checkpoint records --dataset, --train-samples and
+    --test-samples, and refuses a resume that changes one)."""
+    group = parser.group("data")
+    group.add_argument("--data-dir", default="./data",
+                       help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
+    group.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
+                       help="cifar100, or a learnable CIFAR-shaped synthetic set that needs no download")
+    group.add_argument("--train-samples", type=flags.positive_int, default=None, metavar="N",
+                       help="use the first N training images")
+    group.add_argument("--test-samples", type=flags.positive_int, default=None, metavar="N",
+                       help="use the first N test images")
+    group.add_argument("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
+    group.add_argument("--workers", type=flags.non_negative_int, default=4, help="DataLoader worker processes per rank")
+    group.add_argument("--loader", choices=["dataloader", "device"], default="dataloader",
+                       help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
+                            "device: the whole set held on the training device, augmented there in batches, no "
+                            "worker processes (fastest on GPU). Both give the same batches")
 
 
 def datasets(args, env) -> tuple[Dataset, Dataset]:

@@ -56,24 +56,9 @@ def make_parser(doc: str, script: str) -> Parser:
 
 
 def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = False) -> None:
-    """The flags every script has, in groups (after the script's own); `distributed` adds those of a process
-    group and DDP's; `sharded` (FSDP) leaves DDP's out and adds --reshard-after-forward. The safety net's
-    (--output-dir, checkpoints, --print-freq) are SafetyNet.add_flags's."""
-    data = parser.group("data")
-    data.add_argument("--data-dir", default="./data",
-                      help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
-    data.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
-                      help="cifar100, or a learnable CIFAR-shaped synthetic set that needs no download")
-    data.add_argument("--train-samples", type=positive_int, default=None, metavar="N",
-                      help="use the first N training images")
-    data.add_argument("--test-samples", type=positive_int, default=None, metavar="N",
-                      help="use the first N test images")
-    data.add_argument("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
-    data.add_argument("--workers", type=non_negative_int, default=4, help="DataLoader worker processes per rank")
-    data.add_argument("--loader", choices=["dataloader", "device"], default="dataloader",
-                      help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
-                           "device: the whole set held on the training device, augmented there in batches, no "
-                           "worker processes (fastest on GPU). Both give the same batches")
+    """The flags every script has, in groups (after the script's own and utils.data.add_flags's); `distributed`
+    adds those of a process group and DDP's; `sharded` (FSDP) leaves DDP's out and adds --reshard-after-forward.
+    The safety net's (--output-dir, checkpoints, --print-freq) are SafetyNet.add_flags's."""
     train = parser.group("training")
     train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
     train.add_argument("--batch-size", type=positive_int, default=256,
