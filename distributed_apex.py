@@ -5,9 +5,8 @@
     python distributed_apex.py --opt-level O0               # full float32, to compare
     torchrun --standalone --nproc_per_node=4 distributed_apex.py   # started by torchrun instead of spawn
 
-apex.amp.initialize(model, optimizer, opt_level="O1") became torch.autocast around the forward pass
-plus torch.amp.GradScaler for float16 gradients; apex.parallel.DistributedDataParallel and
-apex.parallel.SyncBatchNorm became torch's own. docs/apex_migration.md has the full migration table.
+apex.amp.initialize(model, optimizer, opt_level="O1") became torch.autocast around the forward pass plus
+torch.amp.GradScaler for float16; apex.parallel's DDP and SyncBatchNorm became torch's (docs/apex_migration.md).
 """
 import os
 import sys

@@ -3,11 +3,10 @@
     python distributed_gradient_accumulation.py --grad-accu-steps 4   # each rank's batch in 4 micro-batches
     torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py --grad-accu-steps 4
 
-The optimizer step sees the gradient of the whole batch (the loss of each micro-batch is divided by
-their number), while only 1/k of the batch is in memory at a time; exactly so for layers without batch
-statistics, while BatchNorm normalises each micro-batch by its own statistics. DDP would
-all-reduce after every backward; under model.no_sync() it only accumulates, so gradients cross the
-network once per optimizer step, after the last micro-batch.
+The optimizer step sees the gradient of the whole batch (the loss of each micro-batch is divided by their
+number), while only 1/k of the batch is in memory at a time; exactly so for layers without batch statistics,
+while BatchNorm normalises each micro-batch by its own statistics. DDP would all-reduce after every backward;
+under model.no_sync() it only accumulates: gradients cross the network once per step, after the last micro-batch.
 """
 import contextlib
 import os
