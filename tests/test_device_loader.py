@@ -6,7 +6,8 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DistributedSampler
 
-from utils import data
+from utils import data, device_loader
+from utils.device_loader import DeviceTrainLoader
 from utils.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -33,7 +34,7 @@ def test_device_train_batches_equal_the_dataloader_batches(world_size):
     dataset = data.Images(*data.synthetic(50, train=True), augment=True, seed=3)
     for rank in range(world_size):
         shared, (reference, device) = both_train_loaders(dataset, 4, rank, world_size, seed=3)
-        assert isinstance(device, data.DeviceTrainLoader) and device.steps == reference.steps == 50 // world_size // 4
+        assert isinstance(device, DeviceTrainLoader) and device.steps == reference.steps == 50 // world_size // 4
         for epoch, start_step in ((0, 0), (1, 0), (1, 2)):
             shared.set_epoch(epoch)
             expected = list(reference.epoch(epoch, start_step))
@@ -88,7 +89,7 @@ def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
 def test_a_padded_crop_matches_torchvision(monkeypatch, top, left, flip):
     dataset = data.Images(*data.synthetic(8, train=True), augment=True, seed=0)
     _, (_, loader) = both_train_loaders(dataset, 4, rank=0, world_size=1, seed=0)
-    monkeypatch.setattr(data, "augment_draws", lambda seed, epoch, indices: tuple(
+    monkeypatch.setattr(device_loader, "augment_draws", lambda seed, epoch, indices: tuple(
         torch.full_like(indices, v) for v in (top, left, flip)))
     images, _ = loader.batch(torch.tensor([5, 2]), epoch=0)
     for got, index in zip(images, (5, 2), strict=True):
