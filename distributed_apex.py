@@ -21,6 +21,7 @@ from torch.utils.data import DistributedSampler
 from safety_net import SafetyNet
 from utils import data, flags, launch, metrics, models, precision, techniques
 from utils.errors import exit_on_error
+from utils.spawn import complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -120,14 +121,13 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
 
 def main(argv=None):
     args = parse_args(argv)
-    if launch.launched_by_torchrun():  # torchrun started this process as one rank: start no others
+    if launched_by_torchrun():  # torchrun started this process as one rank: start no others
         return worker(None, args)
     with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
-        args.nprocs = args.nprocs or launch.default_nprocs(args.device)
-        launch.check_before_spawn(args)
+        complete_and_check_spawn_flags(args)  # --nprocs: one per visible GPU unless given; --port: a free one
         SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
     # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
-    with launch.spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
+    with spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
 
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import TINY, check, launcher, run, run_main
 
-from utils import launch
+from utils import launch, spawn
 from utils.errors import UsageError
 
 # Checked in-process, through each script's main(): these fail before any process would start.
@@ -122,8 +122,8 @@ def test_more_processes_than_gpus_with_nccl(monkeypatch):
     monkeypatch.setattr(launch, "resolve_device", lambda flag: "cuda")
     args = SimpleNamespace(device="cuda", backend="auto")
     with pytest.raises(UsageError, match="4 processes on this machine but only 2 GPU"):
-        launch.check_launch(args, local_processes=4, gpu_count=2)
-    launch.check_launch(args, local_processes=2, gpu_count=2)
+        spawn.check_launch(args, local_processes=4, gpu_count=2)
+    spawn.check_launch(args, local_processes=2, gpu_count=2)
 
 
 def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path):

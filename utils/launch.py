@@ -3,21 +3,17 @@
 torchrun (or torch.distributed.launch) describes each process in environment variables, srun in SLURM's,
 torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index (the spawn scripts set
 torchrun's variables from those); `this_process` reads torchrun's variables, filling in those a start left
-out, so that dist.init_process_group can read them too. The rest checks a launch before any process starts,
-so that a wrong value is one line, not a hang.
+out, so that dist.init_process_group can read them too. The spawn scripts' parent has its own module,
+utils/spawn.py.
 """
-import contextlib
 import datetime
-import logging
 import os
 import re
 import socket
-import sys
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from utils import flags
 from utils.errors import UsageError
@@ -52,16 +48,6 @@ def resolve_backend(flag: str, device_type: str) -> str:
     if flag == "auto":
         return "nccl" if device_type == "cuda" else "gloo"
     return flag
-
-
-def check_launch(args, local_processes: int, gpu_count: int | None = None) -> None:
-    """Everything about the launch that can be wrong before a process group exists."""
-    device_type = resolve_device(args.device)
-    backend = resolve_backend(args.backend, device_type)
-    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
-    if device_type == "cuda" and local_processes > gpus:
-        raise UsageError(f"{local_processes} processes on this machine but only {gpus} GPU(s) visible; "
-                         f"{backend} needs one GPU per process (lower --nprocs or use --device cpu)")
 
 
 def this_process(args) -> Env:
@@ -124,11 +110,6 @@ def slurm_address(args) -> tuple[str, int]:
     return addr, port
 
 
-def launched_by_torchrun() -> bool:
-    """torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def has_torchrun_agent() -> bool:
     """torchrun's agent started this process and waits for it (so its death means the run is orphaned)."""
     return "TORCHELASTIC_RUN_ID" in os.environ
@@ -140,50 +121,3 @@ def free_port(ip: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def check_port_free(ip: str, port: int) -> None:
-    """The rendezvous store listens on ip:port on node 0; a busy port would fail deep in c10d."""
-    with socket.socket() as s:
-        try:
-            s.bind((ip, port))
-        except OSError as error:
-            raise UsageError(f"cannot listen on {ip}:{port} ({error.strerror}); choose another --port") from None
-
-
-def prepare_rendezvous(args) -> None:
-    """On the machine that hosts the rendezvous, pick a free port (or check the given one)."""
-    if args.node_rank == 0:
-        if args.port is None:
-            args.port = free_port(args.ip)
-        else:
-            check_port_free(args.ip, args.port)
-
-
-def check_before_spawn(args) -> None:
-    """Everything that can be wrong with a spawn launch, checked before any process starts: the job's
-    shape against the GPUs, the batch split, --ip; on node 0, the rendezvous port
-    (a free one if --port is not given)."""
-    check_launch(args, local_processes=args.nprocs)
-    flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
-    flags.check_address(args.ip)
-    prepare_rendezvous(args)
-
-
-def default_nprocs(device_flag: str) -> int:
-    """One process per visible GPU; on the CPU two processes, enough to show DDP at work."""
-    return torch.cuda.device_count() if resolve_device(device_flag) == "cuda" else 2
-
-
-@contextlib.contextmanager
-def spawn_errors():
-    """mp.spawn stops the other processes when one fails; show that rank's error, not a wall."""
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N"
-    try:
-        yield
-    except mp.ProcessExitedException as error:
-        if error.exit_code < 0:  # killed by a signal it could not handle (SIGKILL, a crash): say which
-            print(f"error: {error}", file=sys.stderr)
-            sys.exit(1)
-        sys.exit(error.exit_code)  # an exit status of its own: bad input, divergence or a stop; it said why
-    except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
-        print(error, file=sys.stderr)
-        sys.exit(1)

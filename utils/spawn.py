@@ -1,0 +1,78 @@
+"""The spawn scripts' parent process: the flags it completes and checks before mp.spawn starts any rank
+(one line, not a hang, for a wrong value), and how it reports a rank that failed."""
+import contextlib
+import logging
+import os
+import socket
+import sys
+
+import torch
+import torch.multiprocessing as mp
+
+from utils import flags, launch
+from utils.errors import UsageError
+
+
+def launched_by_torchrun() -> bool:
+    """torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def check_launch(args, local_processes: int, gpu_count: int | None = None) -> None:
+    """Everything about the launch that can be wrong before a process group exists."""
+    device_type = launch.resolve_device(args.device)
+    backend = launch.resolve_backend(args.backend, device_type)
+    gpus = torch.cuda.device_count() if gpu_count is None else gpu_count
+    if device_type == "cuda" and local_processes > gpus:
+        raise UsageError(f"{local_processes} processes on this machine but only {gpus} GPU(s) visible; "
+                         f"{backend} needs one GPU per process (lower --nprocs or use --device cpu)")
+
+
+def check_port_free(ip: str, port: int) -> None:
+    """The rendezvous store listens on ip:port on node 0; a busy port would fail deep in c10d."""
+    with socket.socket() as s:
+        try:
+            s.bind((ip, port))
+        except OSError as error:
+            raise UsageError(f"cannot listen on {ip}:{port} ({error.strerror}); choose another --port") from None
+
+
+def prepare_rendezvous(args) -> None:
+    """On the machine that hosts the rendezvous, pick a free port (or check the given one)."""
+    if args.node_rank == 0:
+        if args.port is None:
+            args.port = launch.free_port(args.ip)
+        else:
+            check_port_free(args.ip, args.port)
+
+
+def complete_and_check_spawn_flags(args) -> None:
+    """Before any process starts: --nprocs filled in when not given (one per visible GPU, 2 on the CPU), then
+    everything that can be wrong with a spawn launch checked (the job's shape against the GPUs, the batch
+    split, --ip); on node 0, the rendezvous port checked, or a free one chosen when --port is not given."""
+    args.nprocs = args.nprocs or default_nprocs(args.device)
+    check_launch(args, local_processes=args.nprocs)
+    flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
+    flags.check_address(args.ip)
+    prepare_rendezvous(args)
+
+
+def default_nprocs(device_flag: str) -> int:
+    """One process per visible GPU; on the CPU two processes, enough to show DDP at work."""
+    return torch.cuda.device_count() if launch.resolve_device(device_flag) == "cuda" else 2
+
+
+@contextlib.contextmanager
+def spawn_errors():
+    """mp.spawn stops the other processes when one fails; show that rank's error, not a wall."""
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N"
+    try:
+        yield
+    except mp.ProcessExitedException as error:
+        if error.exit_code < 0:  # killed by a signal it could not handle (SIGKILL, a crash): say which
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(1)
+        sys.exit(error.exit_code)  # an exit status of its own: bad input, divergence or a stop; it said why
+    except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
+        print(error, file=sys.stderr)
+        sys.exit(1)
