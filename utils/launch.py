@@ -64,14 +64,14 @@ def this_process(args) -> Env:
         os.environ.update(RANK=os.environ["SLURM_PROCID"], WORLD_SIZE=os.environ["SLURM_NTASKS"],
                           LOCAL_RANK=os.environ["SLURM_LOCALID"], MASTER_ADDR=addr, MASTER_PORT=str(port))
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    local_rank = int(os.environ.get("LOCAL_RANK", getattr(args, "local_rank", None) or 0))
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     if not os.environ.get("MASTER_ADDR"):  # the launcher set no address: --ip/--port, or a world of one
-        if world_size > 1 and not getattr(args, "ip", None):
+        if world_size > 1 and not args.ip:
             raise UsageError("WORLD_SIZE is set but MASTER_ADDR is not; start with torchrun or give --ip/--port")
-        os.environ["MASTER_ADDR"] = getattr(args, "ip", None) or "127.0.0.1"
+        os.environ["MASTER_ADDR"] = args.ip or "127.0.0.1"
         # a world of one meets only itself, on any free port (0); else where the other processes were sent
-        os.environ["MASTER_PORT"] = str(getattr(args, "port", None) or (29500 if world_size > 1 else 0))
-    os.environ.setdefault("MASTER_PORT", str(getattr(args, "port", None) or 29500))
+        os.environ["MASTER_PORT"] = str(args.port or (29500 if world_size > 1 else 0))
+    os.environ.setdefault("MASTER_PORT", str(args.port or 29500))
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                          f"{backend} needs one GPU per process; start fewer processes or use --device cpu")
@@ -104,8 +104,8 @@ def first_host(nodelist: str) -> str:
 def slurm_address(args) -> tuple[str, int]:
     """Where srun's tasks meet: --ip/--port, else MASTER_ADDR/MASTER_PORT, else the node list's first
     host on a port that is the same for every task of the job and differs between jobs on a machine."""
-    addr = getattr(args, "ip", None) or os.environ.get("MASTER_ADDR") or first_host(os.environ["SLURM_JOB_NODELIST"])
-    port = (getattr(args, "port", None) or int(os.environ.get("MASTER_PORT", 0))
+    addr = args.ip or os.environ.get("MASTER_ADDR") or first_host(os.environ["SLURM_JOB_NODELIST"])
+    port = (args.port or int(os.environ.get("MASTER_PORT", 0))
             or 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
     return addr, port
 
