@@ -26,6 +26,7 @@ CASES = {
     "apex-fused-sgd-missing": ("distributed_apex", ["--optimizer", "apex-fused-sgd"], "NVIDIA apex"),
     "no-checkpoint-to-evaluate": ("distributed_mp", ["--evaluate"], "no checkpoint"),
     "bad-flag-value": ("distributed", ["--epochs", "0"], "--epochs"),
+    "warmup-as-long-as-training": ("distributed", ["--epochs", "2", "--warmup-epochs", "2"], "--warmup-epochs 2"),
     "node-rank-outside": ("distributed_mp", ["--nnodes", "2", "--node-rank", "2", "--port", "29999"], "--node-rank 2"),
     "negative-lr": ("distributed_mp", ["--lr", "-1"], "--lr"),
     "nan-lr": ("distributed", ["--lr", "nan"], "--lr"),

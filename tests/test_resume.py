@@ -75,9 +75,9 @@ def without_progress(output: str) -> str:
     return "\n".join(line for line in output.splitlines() if " step " not in line)[-6000:]
 
 
-def assert_same_weights_bit_for_bit(a: Path, b: Path):
+def assert_same_weights_bit_for_bit(a: Path, b: Path, epochs: int = 2):
     expected, got = load_checkpoint(a), load_checkpoint(b)
-    assert (got["epoch"], got["step"]) == (expected["epoch"], expected["step"]) == (2, 0)
+    assert (got["epoch"], got["step"]) == (expected["epoch"], expected["step"]) == (epochs, 0)
     for key, tensor in expected["model"].items():
         assert torch.equal(got["model"][key], tensor), key
     for want, have in zip(expected["optimizer"]["state"].values(), got["optimizer"]["state"].values(),
@@ -122,6 +122,21 @@ def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
     metrics = read_metrics(elastic)
     assert [r["world_size"] for r in metrics] == [2, 1]
     assert metrics[1]["train_loss"] == pytest.approx(read_metrics(reference)[1]["train_loss"], rel=1e-2)
+
+
+@pytest.mark.slow
+def test_a_warmed_up_run_continues_mid_epoch_to_the_same_weights(tmp_path):
+    """--warmup-epochs: the schedule (linear warm-up, then the cosine) travels with the checkpoint. Resumed in
+    its second epoch, the run must step on to the cosine's second rate; a schedule started afresh would give
+    the third epoch the first (a rate the optimizer's saved state does not carry across an epoch's end)."""
+    cmd = launcher("python", "distributed.py") + RUN + ["--epochs", "3", "--warmup-epochs", "1", "--keep", "5"]
+    check(run(cmd + ["--output-dir", str(tmp_path / "whole")]))
+    assert [r["lr"] for r in read_metrics(tmp_path / "whole")] == pytest.approx([0.0001, 0.01, 0.005])
+    mid_epoch_2 = tmp_path / "whole" / "checkpoint.4.pt"  # 9 saves, 5 kept: the oldest is epoch 2, step 4
+    state = torch.load(mid_epoch_2, weights_only=True)
+    assert (state["epoch"], state["step"]) == (1, 4)
+    check(run(cmd + ["--resume", str(mid_epoch_2), "--output-dir", str(tmp_path / "continued")]))
+    assert_same_weights_bit_for_bit(tmp_path / "whole", tmp_path / "continued", epochs=3)
 
 
 @pytest.mark.slow

@@ -20,11 +20,15 @@ def resnet18_cifar(num_classes: int = 100) -> nn.Module:
 
 
 def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, **extra):
-    """SGD with momentum and weight decay, learning rate on a cosine from --lr to 0 over the epochs
-    (stepped once per epoch with scheduler.step(), the non-deprecated form); --optimizer-impl picks
-    torch's for-loop, foreach or fused implementation of the same update."""
+    """SGD with momentum and weight decay, learning rate on a cosine from --lr to 0 over the epochs (after
+    --warmup-epochs rising linearly from --lr/100), stepped once per epoch with scheduler.step(), the
+    non-deprecated form; --optimizer-impl picks torch's for-loop, foreach or fused implementation."""
     optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, **techniques.optimizer_options(args, optimizer_class),
                                 **extra)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs)
-    return optimizer, scheduler
+    warmup = getattr(args, "warmup_epochs", 0)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - warmup)
+    if not warmup:
+        return optimizer, cosine
+    rising = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=warmup)
+    return optimizer, torch.optim.lr_scheduler.SequentialLR(optimizer, [rising, cosine], milestones=[warmup])
