@@ -112,9 +112,9 @@ def train(args, env, net) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
+    net = SafetyNet.for_flags(args, __file__, sharded=True)  # sharded checkpoints; catches Ctrl-C, SIGTERM, ...
     with exit_on_error():
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+        SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it

@@ -25,7 +25,6 @@ every rank calls it at the same line of the script: moved onto one rank's path, 
 import importlib.util
 import multiprocessing
 import os
-from types import SimpleNamespace
 
 import torch
 
@@ -51,12 +50,11 @@ class SafetyNet:
         with other values is refused. evaluate: the run only tests the newest checkpoint's weights (--evaluate).
         sharded: write sharded checkpoints (FSDP). watch_launcher: also stop when the process that started this
         one dies (torchrun's agent, the spawn parent)."""
-        # what safety_net.checkpoint reads, under its flags' names (run_flags among them)
-        self.options = SimpleNamespace(**{
-            **run_flags, "output_dir": output_dir, "epochs": epochs, "batch_size": global_batch, "lr": lr,
-            "seed": seed, "print_freq": print_freq, "keep": keep, "save_every_steps": save_every_steps,
-            "resume": resume, "restart": restart, "init_from": init_from, "tensorboard": tensorboard,
-            "evaluate": evaluate, "checkpoint_format": "sharded" if sharded else "file"})
+        self.options = checkpoints.Options(
+            output_dir=output_dir, seed=seed, batch_size=global_batch, epochs=epochs, lr=lr, run=run_flags, keep=keep,
+            save_every_steps=save_every_steps, resume=resume, restart=restart, init_from=init_from, evaluate=evaluate,
+            sharded=sharded)
+        self.print_freq, self.tensorboard = print_freq, tensorboard
         self.script, self.sharded = script, sharded
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
         self.env = self.checkpoint = self.log = self.progress = None
@@ -69,7 +67,6 @@ class SafetyNet:
         group "checkpoints and output" (sharded: the checkpoints are directories, FSDP's)."""
         name = os.path.splitext(parser.prog)[0]
         newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
-        parser.set_defaults(checkpoint_format="sharded" if sharded else "file")
         parser.group("training").add_argument(
             "--print-freq", type=flags.positive_int, default=50,
             help="log progress every N steps and at each epoch's first (the only host syncs)")
@@ -98,25 +95,27 @@ class SafetyNet:
         parser.checks.append(_init_from_conflicts)
 
     @classmethod
-    def for_flags(cls, args, script: str) -> "SafetyNet":
+    def for_flags(cls, args, script: str, sharded: bool = False) -> "SafetyNet":
         """The net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
-        launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn."""
+        launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn.
+        sharded: the script writes sharded checkpoints (FSDP's)."""
         watch_launcher = launch.has_torchrun_agent() or multiprocessing.parent_process() is not None
         return cls(script, output_dir=args.output_dir, epochs=args.epochs, global_batch=args.batch_size, lr=args.lr,
                    seed=args.seed, run_flags=checkpoints.run_flags(args), print_freq=args.print_freq, keep=args.keep,
                    save_every_steps=args.save_every_steps, resume=args.resume, restart=args.restart,
                    init_from=args.init_from, tensorboard=args.tensorboard, evaluate=args.evaluate,
-                   sharded=checkpoints.is_sharded(args), watch_launcher=watch_launcher)
+                   sharded=sharded, watch_launcher=watch_launcher)
 
     @staticmethod
-    def check_flags_before_start(args, script: str) -> None:
+    def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
         """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other
         run holds it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is
-        there, readable, and of this script's run."""
-        checkpoints.check_output_dir_writable(args)
-        if not args.evaluate:
-            checkpoints.check_output_dir_free(args.output_dir)
-        checkpoints.check_before_start(args, script)
+        there, readable, and of this script's run (sharded: FSDP's checkpoint directories)."""
+        options = checkpoints.Options.from_flags(args, sharded)
+        checkpoints.check_output_dir_writable(options)
+        if not options.evaluate:
+            checkpoints.check_output_dir_free(options.output_dir)
+        checkpoints.check_before_start(options, script)
 
     @staticmethod
     def check_flags_before_spawn(args, script: str) -> None:
@@ -162,8 +161,9 @@ class SafetyNet:
         self.checkpoint = self._checkpoints(precision, parts)
         self.start_at = self.checkpoint.resume()
         self.steps_per_epoch = steps_per_epoch
-        self.log = metrics_log.MetricsLog(self.options, is_main=self.env.is_main, done_epochs=self.start_at[0],
-                                          done_steps=self.start_at[1], steps_per_epoch=steps_per_epoch)
+        self.log = metrics_log.MetricsLog(self.options.output_dir, is_main=self.env.is_main,
+                                          done_epochs=self.start_at[0], done_steps=self.start_at[1],
+                                          steps_per_epoch=steps_per_epoch, tensorboard=self.tensorboard)
         if self.start_at[0] == self.options.epochs and self.env.is_main:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
         return self.start_at[0]
@@ -172,7 +172,9 @@ class SafetyNet:
         """Starts the epoch's clock and loss; returns the step to start from: 0, or on the epoch a mid-epoch
         checkpoint was written in, the step it reached (the loader leaves out the batches before it)."""
         start_step = self.start_at[1] if epoch == self.start_at[0] else 0
-        self.progress = EpochProgress(steps=self.steps_per_epoch, epoch=epoch, env=self.env, args=self.options,
+        self.progress = EpochProgress(steps=self.steps_per_epoch, epoch=epoch, epochs=self.options.epochs, env=self.env,
+                                      global_batch=self.options.batch_size, print_freq=self.print_freq,
+                                      lr=self.options.lr,
                                       start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log)
         return start_step
 

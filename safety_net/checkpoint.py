@@ -22,6 +22,7 @@ import tempfile
 import time
 import warnings
 import zipfile
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -55,9 +56,31 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model
 
 
-def is_sharded(args) -> bool:
-    """Whether the script writes sharded checkpoints (flags.add_shared_flags(..., sharded=True))."""
-    return getattr(args, "checkpoint_format", "file") == "sharded"
+@dataclass(frozen=True)
+class Options:
+    """What the checkpoints of one run are told, as plain values: where they go, what defines the run, and
+    what this start asks for (resume, restart, a new run from other weights, only an evaluation)."""
+    output_dir: str
+    seed: int
+    batch_size: int  # the global batch
+    epochs: int
+    lr: float  # named when a run diverges
+    run: dict = field(default_factory=dict)  # the values that define the run (RUN_FLAGS); others are refused
+    keep: int = 2  # checkpoints kept: the newest and the ones before it
+    save_every_steps: int = 0  # also within an epoch, every N steps (0: at its end only)
+    resume: str | None = None  # this checkpoint, not <output-dir>'s newest
+    restart: bool = False  # start afresh, the old checkpoints renamed
+    init_from: str | None = None  # a new run from these weights
+    evaluate: bool = False  # only the newest checkpoint's weights are read
+    sharded: bool = False  # directories of shards (torch.distributed.checkpoint), FSDP's
+
+    @classmethod
+    def from_flags(cls, args, sharded: bool = False) -> "Options":
+        """From the flags of SafetyNet.add_flags and utils.flags (the run's values among them)."""
+        return cls(output_dir=args.output_dir, seed=args.seed, batch_size=args.batch_size, epochs=args.epochs,
+                   lr=args.lr, run=run_flags(args), keep=args.keep, save_every_steps=args.save_every_steps,
+                   resume=args.resume, restart=args.restart, init_from=args.init_from, evaluate=args.evaluate,
+                   sharded=sharded)
 
 
 def kept_path(output_dir: str, k: int, sharded: bool = False) -> str:
@@ -254,12 +277,12 @@ def run_flags(args) -> dict:
     return {name: getattr(args, name) for name in RUN_FLAGS if hasattr(args, name)}
 
 
-def check_same_run(state: dict, args, script: str, path: str) -> None:
+def check_same_run(state: dict, options: Options, script: str, path: str) -> None:
     """A checkpoint continues only the run that wrote it: the same script with the same RUN_FLAGS."""
     if state.get("script") != os.path.basename(script):
         raise UsageError(f"{path} was written by {state.get('script')}, not {os.path.basename(script)}; "
                          "use another --output-dir (or --evaluate to test its weights)")
-    for name, value in run_flags(args).items():
+    for name, value in options.run.items():
         saved = state.get("run", {}).get(name, value)
         if saved != value:
             flag = "--" + name.replace("_", "-")
@@ -268,21 +291,21 @@ def check_same_run(state: dict, args, script: str, path: str) -> None:
                              f"--init-from {path} and another --output-dir")
 
 
-def resuming(args) -> bool:
+def resuming(options: Options) -> bool:
     """Whether this start continues what <output-dir> holds. A restart by torchrun (--max-restarts) always
     resumes: --restart was meant for the first start."""
     restarted_by_torchrun = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) > 0
-    return restarted_by_torchrun or not args.restart
+    return restarted_by_torchrun or not options.restart
 
 
-def newest_readable(args, say=None) -> tuple[str | None, dict | None, list[str]]:
+def newest_readable(options: Options, say=None) -> tuple[str | None, dict | None, list[str]]:
     """The checkpoint this run continues and its contents: --resume, else the newest readable one in
     <output-dir> (unless --restart); (None, None, []) when there is none. Also the newer ones that could
     not be read, each reported through `say` (a print function, or None). When none can be read, the
     newest one's Unreadable is raised and every file is left as it is."""
-    if args.resume:
-        return args.resume, load(args.resume), []
-    candidates = kept_paths(args.output_dir, is_sharded(args)) if resuming(args) else []
+    if options.resume:
+        return options.resume, load(options.resume), []
+    candidates = kept_paths(options.output_dir, options.sharded) if resuming(options) else []
     errors = []
     for path in candidates:
         try:
@@ -299,12 +322,12 @@ def newest_readable(args, say=None) -> tuple[str | None, dict | None, list[str]]
     return None, None, []
 
 
-def recorded_precision(args) -> tuple[str | None, str | None]:
+def recorded_precision(options: Options) -> tuple[str | None, str | None]:
     """(precision, path): the precision the checkpoint this run continues trained in, or None for a new run
     (and for an older checkpoint that recorded only --opt-level O1 --amp-dtype auto)."""
-    if getattr(args, "evaluate", False):
+    if options.evaluate:
         return None, None
-    path, state, _ = newest_readable(args)
+    path, state, _ = newest_readable(options)
     if state is None:
         return None, None
     if "precision" in state.get("resolved", {}):
@@ -315,34 +338,34 @@ def recorded_precision(args) -> tuple[str | None, str | None]:
     return (typed["amp_dtype"], path) if typed.get("amp_dtype", "auto") != "auto" else (None, None)
 
 
-def check_output_dir_writable(args) -> None:
+def check_output_dir_writable(options: Options) -> None:
     """Before any process starts or any data loads, creating nothing: --output-dir can be written (or made)
     and --init-from names a file."""
-    if not args.output_dir.strip():
+    if not options.output_dir.strip():
         raise UsageError("--output-dir is empty; name a directory (default: runs/<script name>)")
-    path = os.path.abspath(args.output_dir)
+    path = os.path.abspath(options.output_dir)
     existing = path
     while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides
         existing = os.path.dirname(existing)
     if not os.path.isdir(existing):
-        raise UsageError(f"--output-dir {args.output_dir}: {existing} is a file, not a directory")
+        raise UsageError(f"--output-dir {options.output_dir}: {existing} is a file, not a directory")
     try:
         with tempfile.TemporaryFile(dir=existing):  # a write, not os.access: root passes that on a read-only disk
             pass
     except OSError as error:
-        raise UsageError(f"--output-dir {args.output_dir}: cannot write in {existing} ({error.strerror})") from None
-    if args.init_from and not os.path.exists(args.init_from):
-        raise UsageError(f"--init-from {args.init_from}: no such file")
+        raise UsageError(f"--output-dir {options.output_dir}: cannot write in {existing} ({error.strerror})") from None
+    if options.init_from and not os.path.exists(options.init_from):
+        raise UsageError(f"--init-from {options.init_from}: no such file")
 
 
-def check_before_start(args, script: str) -> None:
+def check_before_start(options: Options, script: str) -> None:
     """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable."""
-    if args.evaluate:
-        load(kept_path(args.output_dir, 0, is_sharded(args)))
+    if options.evaluate:
+        load(kept_path(options.output_dir, 0, options.sharded))
         return
-    path, state, _ = newest_readable(args)
+    path, state, _ = newest_readable(options)
     if state is not None:
-        check_same_run(state, args, script, path)
+        check_same_run(state, options, script, path)
 
 
 def lock_path(output_dir: str) -> str:
@@ -398,17 +421,17 @@ class Checkpoint:
     """The checkpoints of one run in <output-dir>: save on rank 0, load on every rank. `precision` is the
     autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
 
-    def __init__(self, args, env, script: str, *, precision: torch.dtype | None = None, **parts):
-        self.args, self.env, self.script, self.parts = args, env, os.path.basename(script), parts
+    def __init__(self, options: Options, env, script: str, *, precision: torch.dtype | None = None, **parts):
+        self.options, self.env, self.script, self.parts = options, env, os.path.basename(script), parts
         self.precision = str(precision).removeprefix("torch.") if precision else "float32"
-        self.path = kept_path(args.output_dir, 0, is_sharded(args))
-        self.keep = getattr(args, "keep", 1)
+        self.path = kept_path(options.output_dir, 0, options.sharded)
+        self.keep = options.keep
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
         self.lock = None
 
     def due(self, step: int, steps: int) -> bool:
         """A mid-epoch checkpoint is due after `step` of `steps` (--save-every-steps; the epoch's end saves anyway)."""
-        every = getattr(self.args, "save_every_steps", 0)
+        every = self.options.save_every_steps
         return bool(every) and step % every == 0 and step < steps
 
     def load_weights(self) -> None:
@@ -425,33 +448,33 @@ class Checkpoint:
         error = None
         if self.env.is_main:
             try:
-                self.lock = lock_output_dir(self.args.output_dir)
+                self.lock = lock_output_dir(self.options.output_dir)
             except UsageError as e:
                 error = e
         if not collectives.all_ok(error is None, self.env.device):
-            raise error or UsageError(f"--output-dir {self.args.output_dir} is in use by another run")
+            raise error or UsageError(f"--output-dir {self.options.output_dir} is in use by another run")
 
     def resume(self) -> tuple[int, int]:
         """Hold <output-dir>, then restore every part from the checkpoint to continue, if any (or the
         weights of --init-from for a new run); return the (epoch, step) to start at."""
         self.hold_output_dir()
         say = (lambda line: print(line, flush=True)) if self.env.is_main else None
-        path, state, unreadable = newest_readable(self.args, say)
+        path, state, unreadable = newest_readable(self.options, say)
         if self.env.is_main:
             for bad in unreadable:  # out of the way, so that the next save does not keep it instead of a good one
                 os.replace(bad, f"{bad}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
         if state is None:
             self._keep_old_checkpoints()
-            if self.args.init_from:
-                self._start_from_weights(self.args.init_from)
+            if self.options.init_from:
+                self._start_from_weights(self.options.init_from)
             return 0, 0
-        check_same_run(state, self.args, self.script, path)
+        check_same_run(state, self.options, self.script, path)
         self.restore(state, path)
         forget_last_read()
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-        if self.env.is_main and state["epoch"] < self.args.epochs:  # else the script says nothing is left
+        if self.env.is_main and state["epoch"] < self.options.epochs:  # else the script says nothing is left
             print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
                   f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
         return state["epoch"], state["step"]
@@ -474,10 +497,10 @@ class Checkpoint:
 
     def _keep_old_checkpoints(self) -> None:
         """--restart: the old checkpoints are renamed, never silently overwritten."""
-        old = kept_paths(self.args.output_dir, is_sharded(self.args))
+        old = kept_paths(self.options.output_dir, self.options.sharded)
         if self.env.is_main and old:
             stamp = time.strftime("%Y%m%d-%H%M%S")
-            others = (os.path.join(self.args.output_dir, name) for name in ("metrics.jsonl", "tensorboard"))
+            others = (os.path.join(self.options.output_dir, name) for name in ("metrics.jsonl", "tensorboard"))
             for path in (*old, *others):
                 if os.path.exists(path):
                     os.replace(path, f"{path}.{stamp}")
@@ -491,7 +514,7 @@ class Checkpoint:
         floats = [t for t in weights.values() if t.is_floating_point()]
         if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
-                           f"diverged; try a lower --lr than {self.args.lr:g}. {self.path} was not overwritten")
+                           f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
         error = None
         if self.env.is_main:
             try:
@@ -510,12 +533,12 @@ class Checkpoint:
         """What a checkpoint records beside its parts: where the run is, its flags and what it resolved."""
         optimizer = self.parts.get("optimizer")
         scaler = self.parts.get("scaler")
-        return dict(arch=ARCH, script=self.script, seed=self.args.seed, epoch=epoch, step=step,
-                    epoch_loss=list(epoch_loss), run=run_flags(self.args),
+        return dict(arch=ARCH, script=self.script, seed=self.options.seed, epoch=epoch, step=step,
+                    epoch_loss=list(epoch_loss), run=self.options.run,
                     resolved={"precision": self.precision, "loss_scaling": bool(scaler and scaler.is_enabled()),
                               "optimizer": {k: optimizer.param_groups[0].get(k) for k in IMPLEMENTATION_KEYS}
                               if optimizer else {}},
-                    world_size=self.env.world_size, batch_size=self.args.batch_size)
+                    world_size=self.env.world_size, batch_size=self.options.batch_size)
 
 
 def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict, load=None) -> None:

@@ -12,12 +12,12 @@ class MetricsLog:
     TensorBoard events in <output-dir>/tensorboard: every per-epoch metric, and the training loss every
     --print-freq steps, against the optimizer step (epoch * steps_per_epoch + step)."""
 
-    def __init__(self, args, *, is_main: bool, done_epochs: int, done_steps: int = 0, steps_per_epoch: int = 1):
-        output_dir = args.output_dir
+    def __init__(self, output_dir: str, *, is_main: bool, done_epochs: int, done_steps: int = 0,
+                 steps_per_epoch: int = 1, tensorboard: bool = False):
         self.path, self.is_main = os.path.join(output_dir, "metrics.jsonl"), is_main
         self.steps_per_epoch = steps_per_epoch
         self.events = None
-        if is_main and getattr(args, "tensorboard", False):
+        if is_main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional: checked when the flags are parsed
             # purge_step hides the events a stopped or crashed run wrote after the step it continues from
             self.events = SummaryWriter(os.path.join(output_dir, "tensorboard"),

@@ -18,18 +18,18 @@ class EpochProgress:
     """One epoch's progress from `start_step` on, its clock started when made; on a mid-epoch resume it
     carries on the epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
-    def __init__(self, *, steps: int, epoch: int, env, args, start_step: int = 0,
-                 epoch_loss: tuple[float, float] = (0.0, 0.0), log=None):
-        self.env, self.print_freq, self.lr = env, args.print_freq, args.lr
-        self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, args.epochs
-        self.global_batch, self.log = args.batch_size, log  # log: metrics.MetricsLog, for TensorBoard
+    def __init__(self, *, steps: int, epoch: int, epochs: int, env, global_batch: int, print_freq: int, lr: float,
+                 start_step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0), log=None):
+        self.env, self.print_freq, self.lr = env, print_freq, lr  # lr: named when the run diverges
+        self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, epochs
+        self.global_batch, self.log = global_batch, log  # log: metrics.MetricsLog, for TensorBoard
         loss_sum, count = epoch_loss if start_step else (0.0, 0.0)
         # each rank carries 1/W of the saved totals, so the epoch's all-reduce adds them once
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
         self.loss_count = count / env.world_size
         self.recorded = 0  # steps taken by this process, for its throughput
         bar_wanted = env.is_main and sys.stderr.isatty()
-        self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{args.epochs}",
+        self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{epochs}",
                         leave=False, dynamic_ncols=True) if bar_wanted else None
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)

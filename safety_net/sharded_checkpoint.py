@@ -121,7 +121,7 @@ class ShardedCheckpoint(Checkpoint):
         finite = bool(torch.stack([torch.isfinite(t).all() for t in floats]).all().item())
         if not collectives.all_ok(finite, self.env.device):
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
-                           f"diverged; try a lower --lr than {self.args.lr:g}. {self.path} was not overwritten")
+                           f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
         tmp = f"{self.path}.tmp"
         error = None
         try:

@@ -25,7 +25,12 @@ CPU = torch.device("cpu")
 def run_args(tmp_path, **changed):
     return SimpleNamespace(**{**dict(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1, momentum=0.9,
                                      weight_decay=0.0, resume=None, restart=False, evaluate=False, init_from=None,
-                                     keep=2, opt_level="O1", amp_dtype="auto"), **changed})
+                                     keep=2, save_every_steps=0, opt_level="O1", amp_dtype="auto"), **changed})
+
+
+def opts(args) -> checkpoint.Options:
+    """What SafetyNet tells its checkpoints, from these flags."""
+    return checkpoint.Options.from_flags(args)
 
 
 def one_process():
@@ -58,10 +63,10 @@ def test_the_optimizer_implementation_given_now_is_in_force_with_float16_loss_sc
     args = run_args(tmp_path, amp_dtype="float16")
     model, optimizer, scaler = model_and_optimizer(saved, scaled=True)
     train_step(model, optimizer, scaler)
-    checkpoint.Checkpoint(args, one_process(), "distributed_apex.py", precision=torch.float16, model=model,
+    checkpoint.Checkpoint(opts(args), one_process(), "distributed_apex.py", precision=torch.float16, model=model,
                           optimizer=optimizer, scaler=scaler).save(epoch=1)
     model, optimizer, scaler = model_and_optimizer(now, scaled=True)
-    resumed = checkpoint.Checkpoint(args, one_process(), "distributed_apex.py", precision=torch.float16,
+    resumed = checkpoint.Checkpoint(opts(args), one_process(), "distributed_apex.py", precision=torch.float16,
                                     model=model, optimizer=optimizer, scaler=scaler)
     assert resumed.resume() == (1, 0)
     assert all(group.get(key) == value for group in optimizer.param_groups for key, value in now.items())
@@ -75,7 +80,7 @@ def test_the_optimizer_implementation_given_now_is_in_force_with_float16_loss_sc
 def write_checkpoint(tmp_path, precision_name, **resolved):
     args = run_args(tmp_path)
     model = models.resnet18_cifar()
-    state = checkpoint.Checkpoint(args, one_process(), "distributed_apex.py", model=model).state(
+    state = checkpoint.Checkpoint(opts(args), one_process(), "distributed_apex.py", model=model).state(
         model.state_dict(), epoch=1, step=0, epoch_loss=(0.0, 0.0))
     state["resolved"] = {"precision": precision_name, **resolved}
     torch.save(state, tmp_path / "checkpoint.pt")
@@ -84,7 +89,7 @@ def write_checkpoint(tmp_path, precision_name, **resolved):
 
 def resolved_dtype(args):
     """What the scripts' autocast_dtype line gives for these flags and <output-dir>'s checkpoint."""
-    return precision.autocast_dtype(args, CPU, is_main=True, recorded=checkpoint.recorded_precision(args))
+    return precision.autocast_dtype(args, CPU, is_main=True, recorded=checkpoint.recorded_precision(opts(args)))
 
 
 def test_auto_on_resume_keeps_the_precision_the_checkpoint_trained_in(tmp_path, monkeypatch, capsys):
@@ -121,7 +126,7 @@ def test_a_new_run_or_evaluate_does_not_look_at_the_old_precision(tmp_path, monk
 def test_keep_rotates_and_a_truncated_newest_falls_back_to_the_one_before(tmp_path, capsys):
     args = run_args(tmp_path)
     model = nn.Linear(3, 2)
-    saver = checkpoint.Checkpoint(args, one_process(), "distributed.py", model=model)
+    saver = checkpoint.Checkpoint(opts(args), one_process(), "distributed.py", model=model)
     for epoch in (1, 2, 3):
         saver.save(epoch=epoch)
     assert sorted(p.name for p in tmp_path.iterdir() if p.suffix == ".pt") == ["checkpoint.1.pt", "checkpoint.pt"]
@@ -129,7 +134,7 @@ def test_keep_rotates_and_a_truncated_newest_falls_back_to_the_one_before(tmp_pa
 
     newest = tmp_path / "checkpoint.pt"
     newest.write_bytes(newest.read_bytes()[:200])  # a disk that died mid-write
-    again = checkpoint.Checkpoint(args, one_process(), "distributed.py", model=nn.Linear(3, 2))
+    again = checkpoint.Checkpoint(opts(args), one_process(), "distributed.py", model=nn.Linear(3, 2))
     assert again.resume() == (2, 0)
     said = capsys.readouterr().out
     assert f"{newest} is not a readable checkpoint" in said and "continuing from" in said and "checkpoint.1.pt" in said
@@ -165,14 +170,14 @@ def test_when_no_checkpoint_can_be_read_the_newest_is_refused_and_all_left_untou
     for name in ("checkpoint.pt", "checkpoint.1.pt"):
         (tmp_path / name).write_bytes(b"PK\x03\x04 half")
     with pytest.raises(UsageError, match="checkpoint.pt is not a readable checkpoint"):
-        checkpoint.Checkpoint(run_args(tmp_path), one_process(), "distributed.py", model=nn.Linear(3, 2)).resume()
+        checkpoint.Checkpoint(opts(run_args(tmp_path)), one_process(), "distributed.py", model=nn.Linear(3, 2)).resume()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.1.pt", "checkpoint.pt", "run.lock"]
 
 
 @pytest.mark.parametrize(("where", "code"), [("fsync", errno.ENOSPC), ("fsync", errno.EIO), ("replace", errno.EROFS)])
 def test_a_failed_write_names_the_file_and_the_room_it_needed_and_keeps_the_previous(tmp_path, monkeypatch,
                                                                                      where, code):
-    saver = checkpoint.Checkpoint(run_args(tmp_path, keep=1), one_process(), "distributed.py",
+    saver = checkpoint.Checkpoint(opts(run_args(tmp_path, keep=1)), one_process(), "distributed.py",
                                   model=nn.Linear(1000, 100))
     saver.save(epoch=1)
     before = (tmp_path / "checkpoint.pt").read_bytes()

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
 from safety_net import checkpoint
+from safety_net.checkpoint import Options
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from utils import models
 from utils.errors import StorageError
@@ -39,7 +40,7 @@ def run_args(output_dir="", **overrides):
     return SimpleNamespace(**{
         "print_freq": 100, "epochs": 2, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "batch_size": GLOBAL_BATCH,
         "seed": 0, "output_dir": str(output_dir), "keep": 2, "resume": None, "restart": False, "init_from": None,
-        "save_every_steps": 0, "checkpoint_format": "sharded", "dataset": "synthetic", "train_samples": None,
+        "save_every_steps": 0, "evaluate": False, "dataset": "synthetic", "train_samples": None,
         "no_augment": False, "no_sync_bn": False, **overrides})
 
 
@@ -73,8 +74,8 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     model = script.shard(fresh_model(), None, reshard_after_forward=True)
     args = run_args(output_dir)
     optimizer, scheduler = models.sgd_with_cosine(model, args)
-    checkpoint = ShardedCheckpoint(args, env_of(rank, world_size), "distributed_fsdp.py", model=model,
-                                   optimizer=optimizer, scheduler=scheduler)
+    checkpoint = ShardedCheckpoint(Options.from_flags(args, sharded=True), env_of(rank, world_size),
+                                   "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     epoch, step = checkpoint.resume()
     train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)
@@ -177,8 +178,8 @@ def world_of_one():
 def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, world_of_one):
     model = fully_shard(nn.Linear(200, 100))
     optimizer, scheduler = models.sgd_with_cosine(model, run_args())
-    saver = ShardedCheckpoint(run_args(tmp_path, keep=1), world_of_one, "distributed_fsdp.py", model=model,
-                              optimizer=optimizer, scheduler=scheduler)
+    saver = ShardedCheckpoint(Options.from_flags(run_args(tmp_path, keep=1), sharded=True), world_of_one,
+                              "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     saver.save(epoch=1)
     before = sorted(os.listdir(tmp_path / "checkpoint.dcp"))
 

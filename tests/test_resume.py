@@ -168,9 +168,9 @@ def test_resume_with_other_flags_is_refused(reference, tmp_path):
 
 
 def tiny_checkpoints(tmp_path, model):
-    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False)
+    options = checkpoint.Options(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1)
     env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
-    return checkpoint.Checkpoint(args, env, "distributed.py", model=model)
+    return checkpoint.Checkpoint(options, env, "distributed.py", model=model)
 
 
 def test_a_crash_while_writing_leaves_the_previous_checkpoint_loadable(tmp_path, monkeypatch):
@@ -257,14 +257,13 @@ def test_a_resuming_process_reads_its_checkpoint_once(tmp_path, monkeypatch):
     tiny_checkpoints(tmp_path, model).save(1)
     reads, read = [], checkpoint._read
     monkeypatch.setattr(checkpoint, "_read", lambda path: reads.append(path) or read(path))
-    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False,
-                           evaluate=False, epochs=3, init_from=None)
+    options = checkpoint.Options(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1)
     env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
-    checkpoint.check_before_start(args, "distributed.py")
-    assert checkpoint.recorded_precision(args) == ("float32", str(tmp_path / "checkpoint.pt"))
-    assert checkpoint.Checkpoint(args, env, "distributed.py", model=nn.Linear(3, 2)).resume() == (1, 0)
+    checkpoint.check_before_start(options, "distributed.py")
+    assert checkpoint.recorded_precision(options) == ("float32", str(tmp_path / "checkpoint.pt"))
+    assert checkpoint.Checkpoint(options, env, "distributed.py", model=nn.Linear(3, 2)).resume() == (1, 0)
     assert len(reads) == 1, reads
-    checkpoint.check_before_start(args, "distributed.py")  # after the resume the kept copy is gone: read again
+    checkpoint.check_before_start(options, "distributed.py")  # after the resume the kept copy is gone: read again
     assert len(reads) == 2
 
 
@@ -272,8 +271,8 @@ def test_the_spawn_parent_keeps_no_checkpoint_after_its_checks(tmp_path):
     """The parent of the spawned ranks reads the checkpoint to check it, then only waits: it keeps nothing."""
     from safety_net import SafetyNet
     tiny_checkpoints(tmp_path, nn.Linear(3, 2)).save(1)
-    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, resume=None, restart=False,
-                           evaluate=False, epochs=3, init_from=None)
+    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1, keep=2, resume=None,
+                           restart=False, evaluate=False, init_from=None, save_every_steps=0)
     SafetyNet.check_flags_before_start(args, "distributed.py")
     assert checkpoint._last_read[1] is not None  # a rank keeps it for its resume
     SafetyNet.check_flags_before_spawn(args, "distributed.py")

@@ -168,7 +168,6 @@ def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
     from utils.errors import Diverged
     model = torch.nn.Linear(3, 2)
     checkpoints = tiny_checkpoints(tmp_path, model)
-    checkpoints.args.lr = 0.1
     checkpoints.save(1)
     before = (tmp_path / "checkpoint.pt").read_bytes()
     with torch.no_grad():
