@@ -38,24 +38,16 @@ from utils import flags, launch
 class SafetyNet:
     """One run's checkpoints, stop signals, progress and metrics; every value it needs is given to it."""
 
-    def __init__(self, script: str, *, output_dir: str, epochs: int, global_batch: int, lr: float, seed: int,
-                 run_flags: dict, print_freq: int = 50, keep: int = 2, save_every_steps: int = 0,
-                 resume: str | None = None, restart: bool = False, init_from: str | None = None,
-                 tensorboard: bool = False, evaluate: bool = False, sharded: bool = False,
+    def __init__(self, script: str, options: checkpoints.Options, *, print_freq: int = 50, tensorboard: bool = False,
                  watch_launcher: bool = False):
         """Catches SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 from now on: make it first, in every process of the run.
 
         script: the training script's path, recorded in each checkpoint (one continues only its own run).
-        run_flags: the flag values that define the run ({"seed": 0, "lr": 0.1, ...}); a checkpoint of a run
-        with other values is refused. evaluate: the run only tests the newest checkpoint's weights (--evaluate).
-        sharded: write sharded checkpoints (FSDP). watch_launcher: also stop when the process that started this
-        one dies (torchrun's agent, the spawn parent)."""
-        self.options = checkpoints.Options(
-            output_dir=output_dir, seed=seed, batch_size=global_batch, epochs=epochs, lr=lr, run=run_flags, keep=keep,
-            save_every_steps=save_every_steps, resume=resume, restart=restart, init_from=init_from, evaluate=evaluate,
-            sharded=sharded)
+        options: what the checkpoints are told (where, the values that define the run, resume or restart, ...).
+        print_freq: a progress line every N steps. tensorboard: also write TensorBoard events.
+        watch_launcher: also stop when the process that started this one dies (torchrun's agent, the spawn parent)."""
+        self.script, self.options = script, options
         self.print_freq, self.tensorboard = print_freq, tensorboard
-        self.script, self.sharded = script, sharded
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
         self.env = self.checkpoint = self.log = self.progress = None
         self.start_at = (0, 0)  # (epoch, step) the run continues from
@@ -100,11 +92,8 @@ class SafetyNet:
         launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn.
         sharded: the script writes sharded checkpoints (FSDP's)."""
         watch_launcher = launch.has_torchrun_agent() or multiprocessing.parent_process() is not None
-        return cls(script, output_dir=args.output_dir, epochs=args.epochs, global_batch=args.batch_size, lr=args.lr,
-                   seed=args.seed, run_flags=checkpoints.run_flags(args), print_freq=args.print_freq, keep=args.keep,
-                   save_every_steps=args.save_every_steps, resume=args.resume, restart=args.restart,
-                   init_from=args.init_from, tensorboard=args.tensorboard, evaluate=args.evaluate,
-                   sharded=sharded, watch_launcher=watch_launcher)
+        return cls(script, checkpoints.Options.from_flags(args, sharded), print_freq=args.print_freq,
+                   tensorboard=args.tensorboard, watch_launcher=watch_launcher)
 
     @staticmethod
     def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
@@ -141,7 +130,7 @@ class SafetyNet:
         self.stop.arm(env.world_size)
 
     def _checkpoints(self, precision, parts: dict):
-        kind = ShardedCheckpoint if self.sharded else checkpoints.Checkpoint
+        kind = ShardedCheckpoint if self.options.sharded else checkpoints.Checkpoint
         return kind(self.options, self.env, self.script, precision=precision, **parts)
 
     def load_weights(self, model, precision: torch.dtype | None = None) -> None:

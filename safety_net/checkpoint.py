@@ -425,7 +425,6 @@ class Checkpoint:
         self.options, self.env, self.script, self.parts = options, env, os.path.basename(script), parts
         self.precision = str(precision).removeprefix("torch.") if precision else "float32"
         self.path = kept_path(options.output_dir, 0, options.sharded)
-        self.keep = options.keep
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
         self.lock = None
 
@@ -518,7 +517,7 @@ class Checkpoint:
         error = None
         if self.env.is_main:
             try:
-                save_atomic(self.state(weights, epoch, step, epoch_loss), self.path, self.keep)
+                save_atomic(self.state(weights, epoch, step, epoch_loss), self.path, self.options.keep)
             except StorageError as e:
                 error = e
         if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint

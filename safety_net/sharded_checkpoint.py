@@ -135,7 +135,7 @@ class ShardedCheckpoint(Checkpoint):
                                if name not in ("model", "optimizer") and part is not None})
                 torch.save(header, os.path.join(tmp, HEADER))
                 _fsync_tree(tmp)
-                checkpoint.rotate_in(tmp, self.path, self.keep, sharded=True)
+                checkpoint.rotate_in(tmp, self.path, self.options.keep, sharded=True)
             except OSError as e:
                 error = e
         if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint

@@ -38,7 +38,8 @@ def batches(steps=STEPS):
 
 def run_args(output_dir="", **overrides):
     return SimpleNamespace(**{
-        "print_freq": 100, "epochs": 2, "lr": 0.1, "momentum": 0.9, "weight_decay": 5e-4, "batch_size": GLOBAL_BATCH,
+        "print_freq": 100, "epochs": 2, "lr": 0.1, "warmup_epochs": 0, "momentum": 0.9, "weight_decay": 5e-4,
+        "batch_size": GLOBAL_BATCH,
         "seed": 0, "output_dir": str(output_dir), "keep": 2, "resume": None, "restart": False, "init_from": None,
         "save_every_steps": 0, "evaluate": False, "dataset": "synthetic", "train_samples": None,
         "no_augment": False, "no_sync_bn": False, **overrides})

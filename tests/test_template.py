@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -25,7 +26,6 @@ def resnet18_cifar(num_classes: int = 100) -> nn.Module:
 
 def page_block(language: str) -> str:
     """The first ```language block of docs/template.md, as the page has it (its indentation removed)."""
-    import textwrap
     page = (ROOT / "docs" / "template.md").read_text()
     block = page.split(f"```{language}\n", 1)[1].split("```", 1)[0]
     return textwrap.dedent(block)

@@ -227,11 +227,11 @@ class SkipFirst(Sampler):
     def __len__(self) -> int:
         return len(self.sampler) - self.skip
 
-
-def _start_epoch(sampler: SkipFirst, epoch: int, start_step: int, per_rank_batch: int) -> None:
-    if sampler.sampler.epoch != epoch:  # forgetting it would repeat epoch 0's order in every epoch
-        raise RuntimeError(f"call sampler.set_epoch({epoch}) before the loader's epoch({epoch})")
-    sampler.skip = start_step * per_rank_batch
+    def start(self, epoch: int, start_step: int, per_rank_batch: int) -> None:
+        """Epoch `epoch` from `start_step` on; the DistributedSampler's set_epoch(epoch) must have come first."""
+        if self.sampler.epoch != epoch:  # forgetting it would repeat epoch 0's order in every epoch
+            raise RuntimeError(f"call sampler.set_epoch({epoch}) before the loader's epoch({epoch})")
+        self.skip = start_step * per_rank_batch
 
 
 class TrainLoader:
@@ -243,19 +243,19 @@ class TrainLoader:
         self.sampler = SkipFirst(sampler)
         self.loader = WorkersForkedWithSignalsHeld(DataLoader(
             dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True, **worker_options(workers)))
-        self.steps = _whole_batches(sampler, per_rank_batch)
+        self.steps = whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
         """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
         if hasattr(self.dataset, "set_epoch"):  # Images draws its augmentation from (seed, epoch, index);
             self.dataset.set_epoch(epoch)  # a dataset of yours: keep the epoch where kept workers see it
-        _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
+        self.sampler.start(epoch, start_step, self.per_rank_batch)
         if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
             return []
         return self.loader
 
 
-def _whole_batches(sampler: DistributedSampler, per_rank_batch: int) -> int:
+def whole_batches(sampler: DistributedSampler, per_rank_batch: int) -> int:
     """This rank's steps per epoch; a training set too small for one global batch is a UsageError."""
     if not sampler.drop_last:  # a padded last batch would repeat samples and differ between world sizes
         raise ValueError("the training sampler needs drop_last=True")

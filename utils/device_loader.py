@@ -4,7 +4,7 @@ import torch
 import torchvision.transforms.v2.functional as TF
 from torch.utils.data import DistributedSampler
 
-from utils.data import MEAN, STD, Images, SkipFirst, _start_epoch, _whole_batches, augment_draws
+from utils.data import MEAN, STD, Images, SkipFirst, augment_draws, whole_batches
 from utils.errors import UsageError
 
 
@@ -23,11 +23,11 @@ class DeviceTrainLoader:
         self.per_rank_batch, self.seed, self.augment = per_rank_batch, dataset.seed, dataset.augment
         self.images, self.targets = dataset.images.to(device), dataset.targets.to(device)
         self.sampler = SkipFirst(sampler)
-        self.steps = _whole_batches(sampler, per_rank_batch)
+        self.steps = whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
         """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
-        _start_epoch(self.sampler, epoch, start_step, self.per_rank_batch)
+        self.sampler.start(epoch, start_step, self.per_rank_batch)
         order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.images.device)
         b = self.per_rank_batch  # the last partial batch is dropped, as TrainLoader's drop_last does
         return (self.batch(order[k:k + b], epoch) for k in range(0, len(order) - b + 1, b))

@@ -70,6 +70,7 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
     train.add_argument("--warmup-epochs", type=non_negative_int, default=0, metavar="N",
                        help="raise the rate linearly from --lr/100 to --lr over the first N epochs, then the cosine "
                             "(as torchvision's --lr-warmup-epochs; global batches of thousands need it)")
+    parser.checks.append(_warmup_leaves_a_cosine)
     train.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     train.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
@@ -124,13 +125,17 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
     for check in parser.checks:
         if problem := check(args):
             parser.error(problem)
-    if getattr(args, "warmup_epochs", 0) >= getattr(args, "epochs", 1) > 0 and args.warmup_epochs:
-        parser.error(f"--warmup-epochs {args.warmup_epochs} leaves no epoch of the cosine in --epochs {args.epochs}")
     if getattr(args, "nnodes", 1) > 1 and args.port is None:
         parser.error("--port is required with --nnodes > 1 (every machine must name the same port)")
     if getattr(args, "node_rank", 0) >= getattr(args, "nnodes", 1):
         parser.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
     return args
+
+
+def _warmup_leaves_a_cosine(args) -> str | None:
+    if args.warmup_epochs and args.warmup_epochs >= args.epochs:
+        return f"--warmup-epochs {args.warmup_epochs} leaves no epoch of the cosine in --epochs {args.epochs}"
+    return None
 
 
 def scaled_lr(global_batch: int, base_lr: float = 0.1, base_batch: int = 256) -> float:

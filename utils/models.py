@@ -26,7 +26,7 @@ def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, **e
     optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
                                 weight_decay=args.weight_decay, **techniques.optimizer_options(args, optimizer_class),
                                 **extra)
-    warmup = getattr(args, "warmup_epochs", 0)
+    warmup = args.warmup_epochs
     cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - warmup)
     if not warmup:
         return optimizer, cosine
