@@ -29,8 +29,8 @@ import torch
 import torch.distributed as dist
 
 from utils.errors import report
-from utils.workers import SIGNALS
 
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 GRACE_S = 25  # torchrun (--shutdown-timeout) and SLURM (KillWait) send SIGKILL 30 s after SIGTERM
 _LAUNCHER_GONE = "the launcher's exit"
 
@@ -63,6 +63,7 @@ class StopSignals:
         for signum in SIGNALS:
             signal.signal(signum, lambda *_: None)  # the thread below acts on it
         threading.Thread(target=self._watch, name="stop-signals", daemon=True).start()
+        _leave_stop_signals_to_the_rank_in_forked_workers()
 
     def arm(self, world_size: int) -> None:
         """From now on a signal waits for the next agreed step; call on every rank at the same point."""
@@ -166,6 +167,37 @@ class StopSignals:
                 _say(f"stopped by {reason} while starting; nothing was trained, no checkpoint written")
             os._exit(128 + signum)
         self._deadline = time.monotonic() + GRACE_S
+
+
+_FORK_HOOK_INSTALLED = False
+
+
+def _leave_stop_signals_to_the_rank_in_forked_workers() -> None:
+    """From now on, a process this one forks (its DataLoader workers, which utils.data forks) leaves the stop
+    signals to its parent, the rank. Ctrl-C and scancel signal every process of the job, workers too, and a
+    worker killed by one would fail the rank's next batch instead of letting the rank stop at an agreed step.
+    The child ignores SIGINT and SIGUSR1, and takes SIGTERM only from the rank (DataLoader ends a worker that is
+    slow to shut down with one). Installed before the fork runs any code of the child: no window for a signal.
+    Workers started by spawn (macOS's default) import afresh and get no such protection."""
+    global _FORK_HOOK_INSTALLED
+    if not _FORK_HOOK_INSTALLED:
+        os.register_at_fork(after_in_child=_take_stop_signals_from_the_parent_only)
+        _FORK_HOOK_INSTALLED = True
+
+
+def _take_stop_signals_from_the_parent_only() -> None:
+    signal.set_wakeup_fd(-1)  # the inherited descriptor is the rank's: a signal here must not reach its watcher
+    for signum in (signal.SIGINT, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+    # blocked before the worker sets torch's own SIGTERM handler, which dies of a signal from anyone but the rank
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    parent = os.getppid()
+
+    def sigterm_from_the_parent_only():
+        while signal.sigwaitinfo({signal.SIGTERM}).si_pid != parent:
+            pass
+        os._exit(128 + signal.SIGTERM)
+    threading.Thread(target=sigterm_from_the_parent_only, daemon=True).start()
 
 
 def requeue_slurm_job() -> str:

@@ -20,7 +20,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, S
 
 from utils import collectives, flags
 from utils.errors import UsageError
-from utils.workers import WorkersForkedWithSignalsHeld, leave_stop_signals_to_the_rank
 
 NUM_CLASSES = 100
 MEAN = (0.5071, 0.4865, 0.4409)  # per-channel statistics of the CIFAR-100 training set
@@ -207,11 +206,10 @@ WORKER_START_METHOD = "fork" if sys.platform == "linux" else None
 
 def worker_options(workers: int) -> dict:
     """DataLoader arguments for `workers` worker processes: forked, kept alive across epochs (started once
-    per run, not once per epoch), leaving stop signals to their rank."""
+    per run, not once per epoch)."""
     if workers == 0:
         return {}
-    return {"num_workers": workers, "multiprocessing_context": WORKER_START_METHOD, "persistent_workers": True,
-            "worker_init_fn": leave_stop_signals_to_the_rank}
+    return {"num_workers": workers, "multiprocessing_context": WORKER_START_METHOD, "persistent_workers": True}
 
 
 class SkipFirst(Sampler):
@@ -241,8 +239,8 @@ class TrainLoader:
     def __init__(self, dataset: Images, sampler: DistributedSampler, per_rank_batch: int, workers: int, pin: bool):
         self.dataset, self.per_rank_batch = dataset, per_rank_batch
         self.sampler = SkipFirst(sampler)
-        self.loader = WorkersForkedWithSignalsHeld(DataLoader(
-            dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True, **worker_options(workers)))
+        self.loader = DataLoader(dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True,
+                                 **worker_options(workers))
         self.steps = whole_batches(sampler, per_rank_batch)
 
     def epoch(self, epoch: int, start_step: int = 0):
@@ -270,8 +268,7 @@ def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size:
     """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return WorkersForkedWithSignalsHeld(DataLoader(
-        shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers)))
+    return DataLoader(shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers))
 
 
 def train_loader(dataset: Images, sampler: DistributedSampler, *, per_rank_batch: int, env, args):
