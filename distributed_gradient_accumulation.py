@@ -22,7 +22,7 @@ from torch.utils.data import DistributedSampler
 from safety_net import SafetyNet
 from utils import data, flags, launch, metrics, models, techniques
 from utils.errors import exit_on_error
-from utils.spawn import complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
+from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -31,7 +31,7 @@ def parse_args(argv=None):
     parser.group("gradient accumulation").add_argument(
         "--grad-accu-steps", type=flags.positive_int, default=2,
         help="micro-batches per optimizer step; must divide the per-rank batch")
-    flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq

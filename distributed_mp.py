@@ -18,13 +18,13 @@ from torch.utils.data import DistributedSampler
 from safety_net import SafetyNet
 from utils import data, flags, launch, metrics, models, techniques
 from utils.errors import exit_on_error
-from utils.spawn import complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
+from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    flags.add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
+    add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_shared_flags(parser)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq

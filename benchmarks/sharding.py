@@ -40,7 +40,7 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from utils import models
-from utils.launch import free_port
+from utils.spawn import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
 EPOCH_IMAGES = 50_000

@@ -32,7 +32,7 @@ from safety_net import checkpoint as checkpoints
 from safety_net import metrics_log, stopping
 from safety_net.progress import EpochProgress
 from safety_net.sharded_checkpoint import ShardedCheckpoint
-from utils import flags, launch
+from utils import flags
 
 
 class SafetyNet:
@@ -91,7 +91,8 @@ class SafetyNet:
         """The net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
         launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn.
         sharded: the script writes sharded checkpoints (FSDP's)."""
-        watch_launcher = launch.has_torchrun_agent() or multiprocessing.parent_process() is not None
+        # torchrun's agent (it sets TORCHELASTIC_RUN_ID) or mp.spawn's parent waits for this process
+        watch_launcher = "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None
         return cls(script, checkpoints.Options.from_flags(args, sharded), print_freq=args.print_freq,
                    tensorboard=args.tensorboard, watch_launcher=watch_launcher)
 

@@ -28,8 +28,9 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from safety_net.errors import Diverged, StorageError
 from utils import collectives
-from utils.errors import Diverged, StorageError, UsageError, first_line
+from utils.errors import UsageError, first_line
 from utils.models import ARCH
 
 FILENAME = "checkpoint.pt"

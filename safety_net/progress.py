@@ -10,8 +10,8 @@ import time
 import torch
 from tqdm import tqdm
 
+from safety_net.errors import Diverged
 from utils import collectives
-from utils.errors import Diverged
 
 
 class EpochProgress:

@@ -35,8 +35,9 @@ from torch.distributed.tensor import DTensor
 
 from safety_net import checkpoint
 from safety_net.checkpoint import HEADER, Checkpoint, load, load_optimizer
+from safety_net.errors import Diverged, StorageError
 from utils import collectives
-from utils.errors import Diverged, StorageError, UsageError, exit_on_error, first_line
+from utils.errors import UsageError, exit_on_error, first_line
 
 FULL = StateDictOptions(full_state_dict=True)  # plain tensors keyed as the unsharded model's state_dict
 

@@ -5,7 +5,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from utils.launch import free_port
+from utils.spawn import free_port
 
 
 class LossesKept:

@@ -16,8 +16,9 @@ from processes import Run, alive, process_tree
 from torch import nn
 
 from safety_net import checkpoint
+from safety_net.errors import StorageError
 from utils import models, precision
-from utils.errors import StorageError, UsageError
+from utils.errors import UsageError
 
 CPU = torch.device("cpu")
 

@@ -20,9 +20,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed_fsdp as script
 from safety_net import checkpoint
 from safety_net.checkpoint import Options
+from safety_net.errors import StorageError
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from utils import models
-from utils.errors import StorageError
 from utils.launch import Env
 from utils.syncbn import CpuSyncBatchNorm
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, load_checkpoint, subprocess_env
 
-from utils.launch import first_host, free_port, slurm_address
+from utils.launch import first_host, slurm_address
+from utils.spawn import free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 

@@ -234,7 +234,7 @@ def wait_for_a_peer_that_never_comes(rank, world_size, port, event, results):
 def test_a_silent_peer_fails_the_collective_within_the_timeout():
     from distributed_helpers import new_processes
 
-    from utils.launch import free_port
+    from utils.spawn import free_port
     ctx = new_processes()
     event, results = ctx.Event(), ctx.SimpleQueue()
     port = free_port()

@@ -16,7 +16,7 @@ from processes import Run, alive, process_tree, rank_process
 
 from safety_net.stopping import StopSignals
 from utils import metrics
-from utils.launch import free_port
+from utils.spawn import free_port
 
 # One epoch of 6 steps: a stop lands mid-epoch, and the continued run has steps left to prove it right.
 RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
@@ -167,7 +167,7 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
     from test_resume import tiny_checkpoints
 
-    from utils.errors import Diverged
+    from safety_net.errors import Diverged
     model = torch.nn.Linear(3, 2)
     checkpoints = tiny_checkpoints(tmp_path, model)
     checkpoints.save(1)

@@ -9,24 +9,17 @@ import traceback
 import torch.distributed
 
 
-class UsageError(Exception):
+class OneLineError(Exception):
+    """An error whose message says all the user needs: exit_on_error prints that one line, no traceback, and
+    exits with `exit_status` (the safety net's Diverged and StorageError are others)."""
+
+    exit_status = 1
+
+
+class UsageError(OneLineError):
     """Input the user can fix (a flag, a missing file, a busy port): one line, exit status 2."""
 
     exit_status = 2
-
-
-class Diverged(Exception):
-    """The training loss or the weights became NaN or infinite: one line, exit status 1, and the
-    last checkpoint is not overwritten."""
-
-    exit_status = 1
-
-
-class StorageError(Exception):
-    """A file could not be written (a full disk, an I/O error, a read-only file system): one line, exit
-    status 1; the previous checkpoint is intact."""
-
-    exit_status = 1
 
 
 def first_line(error: BaseException, limit: int = 160) -> str:
@@ -117,14 +110,14 @@ def _exit(status: int):
 
 @contextlib.contextmanager
 def exit_on_error():
-    """Turn a UsageError, Diverged or StorageError raised inside the block into its line on stderr and exit status;
-    a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a process group that
-    cannot form (dist.init_process_group fails: a busy port, a rank that never came) are UsageErrors too. Any
-    other exception is one line from the rank that raised it (crash_line), exit status 1; a rank whose
-    collective failed because another left exits quietly."""
+    """Turn a OneLineError (a UsageError, the net's Diverged, ...) raised inside the block into its line on stderr
+    and its exit status; a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a
+    process group that cannot form (dist.init_process_group fails: a busy port, a rank that never came) are
+    UsageErrors too. Any other exception is one line from the rank that raised it (crash_line), exit status 1; a
+    rank whose collective failed because another left exits quietly."""
     try:
         yield
-    except (UsageError, Diverged, StorageError) as error:
+    except OneLineError as error:
         report(str(error))
         _exit(error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:

@@ -105,19 +105,6 @@ def add_torchrun_flags(parser: Parser) -> None:
                        help="rendezvous port (MASTER_PORT) if the launcher sets none")
 
 
-def add_spawn_flags(parser: Parser) -> None:
-    """Flags of the scripts that start their own processes with torch.multiprocessing.spawn."""
-    group = parser.group("processes and devices")
-    group.add_argument("--nprocs", type=positive_int, default=None,
-                       help="processes on this machine; default: one per visible GPU, or 2 on the CPU")
-    group.add_argument("--nnodes", type=positive_int, default=1, help="number of machines taking part")
-    group.add_argument("--node-rank", type=non_negative_int, default=0, help="this machine's index, 0..nnodes-1")
-    group.add_argument("--ip", default="127.0.0.1", help="address of the machine with node rank 0 (the rendezvous)")
-    group.add_argument("--port", type=port_number, default=None,
-                       help="rendezvous port; default: a free port on one machine")
-    group.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch; LOCAL_RANK wins")
-
-
 def parse(parser: Parser, argv=None) -> argparse.Namespace:
     args = parser.parse_args(_dashes(sys.argv[1:] if argv is None else list(argv)))
     if getattr(args, "lr", 0) is None:  # the rate 0.1 belongs to the global batch 256: scaled with it
@@ -125,10 +112,6 @@ def parse(parser: Parser, argv=None) -> argparse.Namespace:
     for check in parser.checks:
         if problem := check(args):
             parser.error(problem)
-    if getattr(args, "nnodes", 1) > 1 and args.port is None:
-        parser.error("--port is required with --nnodes > 1 (every machine must name the same port)")
-    if getattr(args, "node_rank", 0) >= getattr(args, "nnodes", 1):
-        parser.error(f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} for --nnodes {args.nnodes}")
     return args
 
 

@@ -9,7 +9,6 @@ utils/spawn.py.
 import datetime
 import os
 import re
-import socket
 from dataclasses import dataclass
 
 import torch
@@ -108,16 +107,3 @@ def slurm_address(args) -> tuple[str, int]:
     port = (args.port or int(os.environ.get("MASTER_PORT", 0))
             or 29500 + int(os.environ.get("SLURM_JOB_ID", 0)) % 1000)
     return addr, port
-
-
-def has_torchrun_agent() -> bool:
-    """torchrun's agent started this process and waits for it (so its death means the run is orphaned)."""
-    return "TORCHELASTIC_RUN_ID" in os.environ
-
-
-def free_port(ip: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((ip, 0))
-        return s.getsockname()[1]
-
-

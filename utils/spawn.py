@@ -13,6 +13,29 @@ from utils import flags, launch
 from utils.errors import UsageError
 
 
+def add_spawn_flags(parser: flags.Parser) -> None:
+    """Flags of the scripts that start their own processes with torch.multiprocessing.spawn."""
+    group = parser.group("processes and devices")
+    group.add_argument("--nprocs", type=flags.positive_int, default=None,
+                       help="processes on this machine; default: one per visible GPU, or 2 on the CPU")
+    group.add_argument("--nnodes", type=flags.positive_int, default=1, help="number of machines taking part")
+    group.add_argument("--node-rank", type=flags.non_negative_int, default=0,
+                       help="this machine's index, 0..nnodes-1")
+    group.add_argument("--ip", default="127.0.0.1", help="address of the machine with node rank 0 (the rendezvous)")
+    group.add_argument("--port", type=flags.port_number, default=None,
+                       help="rendezvous port; default: a free port on one machine")
+    group.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch; LOCAL_RANK wins")
+    parser.checks.append(_machines_agree_on_the_port)
+
+
+def _machines_agree_on_the_port(args) -> str | None:
+    if args.nnodes > 1 and args.port is None:
+        return "--port is required with --nnodes > 1 (every machine must name the same port)"
+    if args.node_rank >= args.nnodes:
+        return f"--node-rank {args.node_rank} is outside 0..{args.nnodes - 1} for --nnodes {args.nnodes}"
+    return None
+
+
 def launched_by_torchrun() -> bool:
     """torchrun (and torch.distributed.launch) export RANK and WORLD_SIZE to every worker."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
@@ -37,11 +60,18 @@ def check_port_free(ip: str, port: int) -> None:
             raise UsageError(f"cannot listen on {ip}:{port} ({error.strerror}); choose another --port") from None
 
 
+def free_port(ip: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (another process may take it before we do)."""
+    with socket.socket() as s:
+        s.bind((ip, 0))
+        return s.getsockname()[1]
+
+
 def prepare_rendezvous(args) -> None:
     """On the machine that hosts the rendezvous, pick a free port (or check the given one)."""
     if args.node_rank == 0:
         if args.port is None:
-            args.port = launch.free_port(args.ip)
+            args.port = free_port(args.ip)
         else:
             check_port_free(args.ip, args.port)
 
