@@ -3,10 +3,9 @@
     python distributed_gradient_accumulation.py --grad-accu-steps 4   # each rank's batch in 4 micro-batches
     torchrun --standalone --nproc_per_node=4 distributed_gradient_accumulation.py --grad-accu-steps 4
 
-The optimizer step sees the gradient of the whole batch (the loss of each micro-batch is divided by their
-number), while only 1/k of the batch is in memory at a time; exactly so for layers without batch statistics,
-while BatchNorm normalises each micro-batch by its own statistics. DDP would all-reduce after every backward;
-under model.no_sync() it only accumulates: gradients cross the network once per step, after the last micro-batch.
+The optimizer steps on the whole batch's gradient (each micro-batch's loss divided by their number) with 1/k of
+the batch in memory (exact but for BatchNorm, which normalises each micro-batch by its own statistics). Under
+model.no_sync() DDP only accumulates: gradients cross the network once per step, after the last micro-batch.
 """
 import contextlib
 import os
@@ -47,9 +46,8 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net, accu_steps
         optimizer.zero_grad(set_to_none=True)
         step_loss = 0.0
         for i, (x, y) in enumerate(zip(images.chunk(accu_steps), targets.chunk(accu_steps), strict=True)):
-            last = i == accu_steps - 1
             # no_sync: accumulate this micro-batch's gradient locally; the last backward all-reduces the sum
-            with contextlib.nullcontext() if last else model.no_sync():
+            with model.no_sync() if i < accu_steps - 1 else contextlib.nullcontext():
                 loss = criterion(model(x), y) / accu_steps  # mean over the micro-batches = mean over the batch
                 loss.backward()
             step_loss += loss.detach()  # every micro-batch counts in the logged loss, not just the last
