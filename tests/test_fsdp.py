@@ -4,6 +4,7 @@ any world size.
 The equality is proven in float64 with the real model, CpuSyncBatchNorm, the script's own shard() and
 train_one_epoch, and SGD with its cosine schedule; float32 cannot settle it (tests/test_ddp_equivalence.py).
 """
+import contextlib
 import errno
 import os
 from types import SimpleNamespace
@@ -197,3 +198,43 @@ def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tm
     assert sorted(os.listdir(tmp_path)) == ["checkpoint.dcp"]  # no unfinished checkpoint.dcp.tmp left
     assert sorted(os.listdir(tmp_path / "checkpoint.dcp")) == before
     assert checkpoint.load(str(tmp_path / "checkpoint.dcp"))["epoch"] == 1
+
+
+def bfloat16_layouts(rank, world_size):
+    """Three bfloat16 steps of the script's shard() and of the layout before it (a unit per BatchNorm layer), the
+    same data on each: the collectives of the second step of each, and the weights each ends with."""
+    from benchmarks.fsdp_profile import shard_with_a_unit_per_norm
+    from benchmarks.sharding import CountedCollectives
+    out = {}
+    for name, shard in (("shard", lambda m: script.shard(m, torch.bfloat16, True)),
+                        ("unit per norm", lambda m: shard_with_a_unit_per_norm(m, torch.bfloat16))):
+        torch.manual_seed(0)
+        model = shard(CpuSyncBatchNorm.convert_sync_batchnorm(models.resnet18_cifar()))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        g = torch.Generator().manual_seed(rank)
+        images, targets = torch.randn(4, 3, SIDE, SIDE, generator=g), torch.randint(0, 100, (4,), generator=g)
+        counted = CountedCollectives()
+        for step in range(3):
+            with counted if step == 1 else contextlib.nullcontext():
+                nn.functional.cross_entropy(model(images), targets).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        out[name] = {"calls": counted.calls, "state": state}
+    return out
+
+
+@pytest.mark.slow  # 2 processes
+def test_all_batchnorm_layers_are_one_float32_unit_with_the_arithmetic_of_one_unit_each(tmp_path):
+    """The bfloat16 layout keeps BatchNorm in float32 as one FSDP unit: one all-gather and one reduce-scatter a
+    step for its 20 layers instead of 20 each (fewer, larger collectives and hooks), and the same weights as
+    with a unit per layer, bit for bit."""
+    grouped, per_norm = (on_ranks(2, bfloat16_layouts, results_dir=tmp_path)[0][k] for k in ("shard", "unit per norm"))
+    gathers = {name: sum(n for c, n in calls.items() if c.startswith("all_gather")) for name, calls in
+               (("grouped", grouped["calls"]), ("per norm", per_norm["calls"]))}
+    scatters = {name: sum(n for c, n in calls.items() if c.startswith("reduce_scatter")) for name, calls in
+                (("grouped", grouped["calls"]), ("per norm", per_norm["calls"]))}
+    assert scatters == {"grouped": 6, "per norm": 25}  # 4 stages and the root, + 1 or + 20 for the norms
+    assert gathers["per norm"] - gathers["grouped"] >= 18, gathers  # about one per BatchNorm unit fewer
+    for key, tensor in per_norm["state"].items():
+        assert torch.equal(grouped["state"][key], tensor), key
