@@ -16,7 +16,6 @@ at 256 images are short, so the host bounds the step), and on a GPU the device's
 On the CPU a small batch stands in for a GPU step: most of the step is then per-operator and per-unit
 overhead, not arithmetic, as on a GPU.
 """
-import argparse
 import contextlib
 import os
 import statistics
@@ -30,8 +29,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import distributed_fsdp
-from utils import flags, models
+from utils import flags, launch, models
 from utils.data import NUM_CLASSES
+from utils.errors import exit_on_error
 
 
 def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.Module:
@@ -79,7 +79,8 @@ def per_step_times(prof, steps: int) -> dict[str, tuple[float, float]]:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fsdp_profile", description=__doc__.split("\n\n")[0])
+    parser = flags.Parser(prog="python -m benchmarks.fsdp_profile", formatter_class=flags.HelpFormatter,
+                          description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto", help="auto: cuda when visible")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
                         help="float32, or bfloat16: DDP under autocast, FSDP with the scripts' bfloat16 policy")
@@ -90,7 +91,8 @@ def main(argv=None):
     parser.add_argument("--top", type=flags.positive_int, default=12, help="operators listed")
     parser.add_argument("--no-reshard-after-forward", action="store_true", help="shard() without resharding")
     args = parser.parse_args(argv)
-    cuda = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    with exit_on_error():  # --device cuda without a GPU: one line, exit status 2
+        cuda = launch.resolve_device(args.device) == "cuda"
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)

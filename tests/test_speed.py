@@ -262,3 +262,23 @@ def test_worker_start_benchmark_times_both_loaders_in_a_spawned_rank():
     assert list(report["seconds"]) == ["scripts' loader", "plain DataLoader"]
     assert all(len(s) == 2 and min(s) > 0 for s in report["seconds"].values()), report
     assert "scripts' loader: first batch of epoch 1 after" in result.stdout
+
+
+@pytest.mark.slow
+def test_fsdp_profile_compares_the_layouts_and_lists_what_grows():
+    """One timed and one profiled step of each model: the plumbing of benchmarks.fsdp_profile, not a speed."""
+    result = check(run([sys.executable, "-m", "benchmarks.fsdp_profile", "--precision", "bfloat16", "--steps", "1",
+                        "--profile-steps", "1", "--top", "3"]))
+    lines = result.stdout.splitlines()
+    rows = [line.split()[0:3] for line in lines if line.endswith("x DDP")]
+    assert [row[0] for row in rows] == ["DDP", "FSDP", "FSDP,"] and "1.00x DDP" in lines[1], result.stdout
+    listed = lines[lines.index(next(line for line in lines if line.startswith("operators whose"))) + 1:]
+    assert len([line for line in listed if " -> " in line]) == 3, result.stdout
+
+
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--precision", "float16"], ["--device", "cuda"]])
+def test_fsdp_profile_bad_input_is_one_line(argv):
+    if argv == ["--device", "cuda"] and torch.cuda.is_available():
+        pytest.skip("a GPU is visible")
+    result = run([sys.executable, "-m", "benchmarks.fsdp_profile", *argv])
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
