@@ -29,9 +29,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.profiler import ProfilerActivity, profile
 
 import distributed_fsdp
+from benchmarks.bare_step import synchronize
 from utils import flags, launch, models
 from utils.data import NUM_CLASSES
 from utils.errors import exit_on_error
+
+DDP_KIND, FSDP_KIND, BEFORE_KIND = "DDP", "FSDP (shard())", "FSDP, a unit per BatchNorm (before)"
 
 
 def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.Module:
@@ -47,26 +50,21 @@ def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.M
 def build(kind: str, device: torch.device, amp_dtype: torch.dtype | None, reshard: bool) -> nn.Module:
     torch.manual_seed(0)
     model = models.resnet18_cifar().to(device)
-    if kind == "DDP":
+    if kind == DDP_KIND:
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if kind == "FSDP, a unit per BatchNorm (before)":
+    if kind == BEFORE_KIND:
         return shard_with_a_unit_per_norm(model, amp_dtype)
     return distributed_fsdp.shard(model, amp_dtype, reshard)
 
 
 def step(kind, model, optimizer, images, targets, amp_dtype) -> None:
     # DDP computes under autocast (distributed_apex.py); FSDP's policy casts the weights itself (no autocast)
-    autocast = kind == "DDP" and amp_dtype is not None
+    autocast = kind == DDP_KIND and amp_dtype is not None
     with torch.autocast(images.device.type, dtype=amp_dtype, enabled=autocast):
         loss = nn.functional.cross_entropy(model(images), targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
-
-
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def per_step_times(prof, steps: int) -> dict[str, tuple[float, float]]:
@@ -101,7 +99,7 @@ def main(argv=None):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # a world of one meets only itself
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        kinds = ["DDP", "FSDP (shard())"] + (["FSDP, a unit per BatchNorm (before)"] if amp_dtype else [])
+        kinds = [DDP_KIND, FSDP_KIND] + ([BEFORE_KIND] if amp_dtype else [])
         built = {k: build(k, device, amp_dtype, not args.no_reshard_after_forward) for k in kinds}
         optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
                       for k, m in built.items()}
@@ -119,19 +117,19 @@ def main(argv=None):
                     times[kind].append(time.perf_counter() - started)
         what = f"{device.type}, {args.precision}, batch {batch}, median of {args.steps} interleaved steps"
         print(f"{what}, torch {torch.__version__}")
-        ddp_ms = statistics.median(times["DDP"]) * 1000
+        ddp_ms = statistics.median(times[DDP_KIND]) * 1000
         for kind in kinds:
             ms = statistics.median(times[kind]) * 1000
             print(f"  {kind:38s} {ms:8.2f} ms per step   {ms / ddp_ms:.2f}x DDP")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         profiled = {}
-        for kind in kinds[:2]:
+        for kind in (DDP_KIND, FSDP_KIND):
             with profile(activities=activities) as prof:
                 for _ in range(args.profile_steps):
                     step(kind, built[kind], optimizers[kind], images, targets, amp_dtype)
                 synchronize(device)
             profiled[kind] = per_step_times(prof, args.profile_steps)
-        ddp, fsdp = profiled["DDP"], profiled["FSDP (shard())"]
+        ddp, fsdp = profiled[DDP_KIND], profiled[FSDP_KIND]
         grown = sorted(set(ddp) | set(fsdp), key=lambda op: fsdp.get(op, (0, 0))[0] - ddp.get(op, (0, 0))[0],
                        reverse=True)
         print(f"\noperators whose self time per step grows most from DDP to FSDP (host ms{', device ms' * cuda}):")

@@ -14,6 +14,7 @@ GRACE_S seconds (a rank that never reaches the next step), leaving the last chec
 """
 import contextlib
 import datetime
+import functools
 import multiprocessing
 import os
 import select
@@ -169,9 +170,7 @@ class StopSignals:
         self._deadline = time.monotonic() + GRACE_S
 
 
-_FORK_HOOK_INSTALLED = False
-
-
+@functools.cache  # once per process: os.register_at_fork cannot take a hook back
 def _leave_stop_signals_to_the_rank_in_forked_workers() -> None:
     """From now on, a process this one forks (its DataLoader workers, which utils.data forks) leaves the stop
     signals to its parent, the rank. Ctrl-C and scancel signal every process of the job, workers too, and a
@@ -179,10 +178,7 @@ def _leave_stop_signals_to_the_rank_in_forked_workers() -> None:
     The child ignores SIGINT and SIGUSR1, and takes SIGTERM only from the rank (DataLoader ends a worker that is
     slow to shut down with one). Installed before the fork runs any code of the child: no window for a signal.
     Workers started by spawn (macOS's default) import afresh and get no such protection."""
-    global _FORK_HOOK_INSTALLED
-    if not _FORK_HOOK_INSTALLED:
-        os.register_at_fork(after_in_child=_take_stop_signals_from_the_parent_only)
-        _FORK_HOOK_INSTALLED = True
+    os.register_at_fork(after_in_child=_take_stop_signals_from_the_parent_only)
 
 
 def _take_stop_signals_from_the_parent_only() -> None:

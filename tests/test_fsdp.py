@@ -230,10 +230,11 @@ def test_all_batchnorm_layers_are_one_float32_unit_with_the_arithmetic_of_one_un
     step for its 20 layers instead of 20 each (fewer, larger collectives and hooks), and the same weights as
     with a unit per layer, bit for bit."""
     grouped, per_norm = (on_ranks(2, bfloat16_layouts, results_dir=tmp_path)[0][k] for k in ("shard", "unit per norm"))
-    gathers = {name: sum(n for c, n in calls.items() if c.startswith("all_gather")) for name, calls in
-               (("grouped", grouped["calls"]), ("per norm", per_norm["calls"]))}
-    scatters = {name: sum(n for c, n in calls.items() if c.startswith("reduce_scatter")) for name, calls in
-                (("grouped", grouped["calls"]), ("per norm", per_norm["calls"]))}
+
+    def count(kind: str) -> dict:  # all_gather_* / reduce_scatter_* calls of one step, each layout
+        return {name: sum(n for c, n in run["calls"].items() if c.startswith(kind))
+                for name, run in (("grouped", grouped), ("per norm", per_norm))}
+    gathers, scatters = count("all_gather"), count("reduce_scatter")
     assert scatters == {"grouped": 6, "per norm": 25}  # 4 stages and the root, + 1 or + 20 for the norms
     assert gathers["per norm"] - gathers["grouped"] >= 18, gathers  # about one per BatchNorm unit fewer
     for key, tensor in per_norm["state"].items():
