@@ -2,6 +2,8 @@
 import torch
 from distributed_helpers import on_ranks
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -79,3 +81,62 @@ def test_convert_replaces_every_batchnorm_and_keeps_the_values():
 def test_world_of_one_is_plain_batchnorm():
     x, _ = batch()
     torch.testing.assert_close(make_bn(CpuSyncBatchNorm, 0.1)(x), make_bn(nn.BatchNorm2d, 0.1)(x))
+
+
+def low_precision_batch(shift):
+    """A batch in bfloat16 (as autocast's convolutions hand it to BatchNorm), far from zero mean by `shift`."""
+    x, upstream = batch()
+    return (x + shift).bfloat16(), upstream.bfloat16()
+
+
+class ActivationSizedResults(TorchDispatchMode):
+    """The dtypes of the results of every operation that makes a tensor as large as `numel`."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.dtypes = numel, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.dtypes |= {t.dtype for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.numel() == self.numel}
+        return out
+
+
+def low_precision_on_rank(rank, world_size, shift):
+    x, upstream = low_precision_batch(shift)
+    rows = slice(rank * 12 // world_size, (rank + 1) * 12 // world_size)
+    bn = make_bn(CpuSyncBatchNorm, 0.1)  # float32 weights and statistics, as under autocast
+    x_local = x[rows].clone().requires_grad_()
+    with ActivationSizedResults(x_local.numel()) as made:
+        y = bn(x_local)
+        y.backward(upstream[rows])
+    return {"y": y.detach(), "dx": x_local.grad, "dw": bn.weight.grad, "running_var": bn.running_var,
+            "activation_dtypes": made.dtypes}
+
+
+def test_bfloat16_input_keeps_the_accuracy_of_torchs_own_batchnorm(tmp_path):
+    """bfloat16 activations with float32 weights, as under autocast, read and written in bfloat16: on 2 ranks
+    within twice the error of torch's BatchNorm2d on the whole batch, both against float64; also 300 standard
+    deviations from zero, where a correction of the input gradient rounded to bfloat16 before it is
+    complete would lose it."""
+    for shift in (0.0, 1000.0):
+        x, upstream = low_precision_batch(shift)
+        exact = make_bn(nn.BatchNorm2d, 0.1).double()
+        x64 = x.double().requires_grad_()
+        y64 = exact(x64)
+        y64.backward(upstream.double())
+        torchs = make_bn(nn.BatchNorm2d, 0.1)
+        x16 = x.clone().requires_grad_()
+        y16 = torchs(x16)
+        y16.backward(upstream)
+        ranks = on_ranks(2, low_precision_on_rank, shift, results_dir=tmp_path / str(shift))
+        y, dx = torch.cat([r["y"] for r in ranks]), torch.cat([r["dx"] for r in ranks])
+        assert y.dtype == dx.dtype == torch.bfloat16
+        # the activations and their gradients are never copied to float32 (which tripled BatchNorm's time)
+        assert all(r["activation_dtypes"] == {torch.bfloat16} for r in ranks), [r["activation_dtypes"] for r in ranks]
+        for ours, theirs, reference in ((y, y16, y64), (dx, x16.grad, x64.grad)):
+            error, their_error = ((t.double() - reference).abs().max().item() for t in (ours, theirs))
+            assert error <= 2 * their_error + 1e-6, (shift, error, their_error)
+        torch.testing.assert_close(sum(r["dw"] for r in ranks).double(), exact.weight.grad, rtol=1e-2, atol=1e-2)
+        for r in ranks:
+            torch.testing.assert_close(r["running_var"].double(), exact.running_var, rtol=1e-3, atol=1e-3)

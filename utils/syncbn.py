@@ -58,13 +58,20 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
 
 
 class _SyncBatchNormFunction(torch.autograd.Function):
+    """Statistics and weights in float32 (float64 for float64 input) whatever x's dtype. torch's CPU
+    batch-norm kernels take bfloat16 or float16 input with float32 statistics and weights, computing in
+    float32 inside, so under autocast the activations are never copied to float32 (which cost 3x
+    BatchNorm's time in bfloat16): only the small correction of the input gradient is done in x's dtype."""
+
     @staticmethod
     def forward(ctx, x, weight, bias, eps, group):
-        n = x.numel() // x.size(1)
-        dtype = torch.promote_types(x.dtype, torch.float32)  # float16/bfloat16 inputs: statistics in float32
+        n, channels = x.numel() // x.size(1), x.size(1)
+        dtype = torch.promote_types(x.dtype, torch.float32)  # of the statistics and the weights
         # this rank's per-channel mean and (biased) variance by torch's batch-norm statistics kernel, one
-        # pass and about 5x faster on the CPU than torch.var_mean over the same dimensions
-        mean, var = (m.double() for m in torch.batch_norm_update_stats(x.to(dtype), None, None, 0.0))
+        # pass and about 5x faster on the CPU than torch.var_mean over the same dimensions; it returns them
+        # in the dtype of the running statistics it is given (here scratch ones, left as they are: momentum 0)
+        mean, var = (m.double() for m in torch.batch_norm_update_stats(
+            x, torch.zeros(channels, dtype=dtype), torch.ones(channels, dtype=dtype), 0.0))
         # One all-reduce of [n, n*mean, n*(var + mean^2)], in float64 from the first operation: the
         # global variance is E[x^2] - mean^2, which cancels when |mean| >> std, and in float32 the
         # variance would be rounded away (off by 1e-3 at mean = 1000 std).
@@ -72,7 +79,6 @@ class _SyncBatchNormFunction(torch.autograd.Function):
                            n * (var + mean * mean)])
         dist.all_reduce(stats, group=group)
         count = stats[0]
-        channels = x.size(1)
         mean64 = stats[1:1 + channels] / count
         var64 = (stats[1 + channels:] / count - mean64 * mean64).clamp_min(0)
         mean, var = mean64.to(dtype), var64.to(dtype)
@@ -82,37 +88,40 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         else:
             weight_, bias_ = weight.to(dtype), bias.to(dtype)
         # the normalisation itself is torch's fused kernel in its eval form, given the global statistics
-        y = torch.batch_norm(x.to(dtype), weight_, bias_, mean, var, False, 0.0, eps, False)
-        ctx.save_for_backward(x, weight_, mean, invstd)
+        y = torch.batch_norm(x, weight_, bias_, mean, var, False, 0.0, eps, False)
+        ctx.save_for_backward(x, weight_, mean, var, invstd)
         ctx.group, ctx.eps, ctx.weight_dtype = group, eps, None if weight is None else weight.dtype
         ctx.count = count.item()
         count = count.float().view(1)
         ctx.mark_non_differentiable(mean, var, count)
-        return y.to(x.dtype), mean, var, count
+        return y, mean, var, count
 
     @staticmethod
     def backward(ctx, grad_y, _grad_mean, _grad_var, _grad_count):
-        x, weight, mean, invstd = ctx.saved_tensors
-        x, dy = x.to(mean.dtype), grad_y.to(mean.dtype)
-        shape = [1, x.size(1)] + [1] * (x.dim() - 2)
+        x, weight, mean, var, invstd = ctx.saved_tensors
         # torch's fused backward of training-mode BatchNorm, given the global mean and invstd, returns
         # the local sums sum(dy * xhat) and sum(dy) (as the weight and bias gradients) and an input
         # gradient that centres dy with the means of this rank's share only; corrected below.
         grad_x, sum_dy_xhat, sum_dy = torch.ops.aten.native_batch_norm_backward(
-            dy, x, weight, None, None, mean, invstd, True, ctx.eps, [True, True, True])
+            grad_y, x, weight, None, None, mean, invstd, True, ctx.eps, [True, True, True])
         # Each rank holds the gradient of its own loss; the input gradient needs the sums over all
         # ranks. The weight and bias gradients stay local: DDP averages them with the others.
         sums = torch.cat([sum_dy, sum_dy_xhat])
         dist.all_reduce(sums, group=ctx.group)
         global_dy, global_dy_xhat = sums.chunk(2)
         # grad_x += weight * invstd * (a + xhat * b), a and b the local minus the global means of dy
-        # and dy * xhat; with xhat = (x - mean) * invstd that is offset + x * slope per channel
+        # and dy * xhat, xhat = (x - mean) * invstd
         local = x.numel() // x.size(1)
         a = sum_dy / local - global_dy / ctx.count
         b = sum_dy_xhat / local - global_dy_xhat / ctx.count
-        slope = weight * invstd * invstd * b
-        offset = weight * invstd * a - slope * mean
-        grad_x = grad_x.addcmul_(x, slope.view(shape)).add_(offset.view(shape))
+        if x.dtype == mean.dtype:  # float32, float64: in place, as offset + x * slope per channel
+            shape = [1, x.size(1)] + [1] * (x.dim() - 2)
+            slope = weight * invstd * invstd * b
+            grad_x.addcmul_(x, slope.view(shape)).add_((weight * invstd * a - slope * mean).view(shape))
+        else:  # bfloat16, float16: there x * slope would be rounded before the offset cancels most of it, so
+            # BatchNorm's eval form, computing in float32, with weight * invstd * b and weight * invstd * a
+            grad_x += torch.batch_norm(x, weight * invstd * b, weight * invstd * a, mean, var, False, 0.0, ctx.eps,
+                                       False)
         grad_weight = sum_dy_xhat.to(ctx.weight_dtype) if ctx.weight_dtype and ctx.needs_input_grad[1] else None
         grad_bias = sum_dy.to(ctx.weight_dtype) if ctx.weight_dtype and ctx.needs_input_grad[2] else None
-        return grad_x.to(grad_y.dtype), grad_weight, grad_bias, None, None
+        return grad_x, grad_weight, grad_bias, None, None
