@@ -4,7 +4,7 @@
     python -m benchmarks.run                            # all visible GPUs (or the CPU), longer runs
     python -m benchmarks.run --only "DDP (torchrun),no SyncBatchNorm"   # the rows whose name contains these
     python -m benchmarks.run --quick --only seed        # the seed's four rows: DataParallel and DDP, +- mixed precision
-    python -m benchmarks.run --quick --only peers       # DDP (torchrun) beside a plain tutorial loop and Lightning
+    python -m benchmarks.run --quick --only peers       # DDP beside a plain tutorial loop and Lightning
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
@@ -21,7 +21,8 @@ without mixed precision: float16 on GPUs, bfloat16 on a CPU). The "peers" table 
 written as others write it, through torchrun with the same processes, batch, steps and --workers:
 a plain tutorial DDP loop (benchmarks/peers/plain_ddp.py) and PyTorch Lightning's Trainer with its
 DDP strategy (benchmarks/peers/lightning_ddp.py; left out, saying so, where lightning is not installed),
-beside the bare step's ceilings: eager (the ideal), compiled (torch.compile; not in --quick on a CPU)
+each in float32 beside DDP (torchrun) and in bfloat16 autocast beside DDP + bfloat16 autocast,
+and the bare step's ceilings: eager (the ideal), compiled (torch.compile; not in --quick on a CPU)
 and in CUDA graphs (GPUs only).
 
 With --quick on a CPU without native bfloat16 instructions (where bfloat16 is emulated, some 18x slower
@@ -51,6 +52,10 @@ ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
 WORKERS = "4"  # the scripts' default --workers
 BARE_STEP = "benchmarks/bare_step.py"
+PLAIN, LIGHTNING = "benchmarks/peers/plain_ddp.py", "benchmarks/peers/lightning_ddp.py"
+# the rows of ours that the peers table puts beside the peers, each with the peer of its precision
+OURS_BESIDE_PEERS = {"DDP (torchrun)": "plain tutorial DDP loop",
+                     "DDP + bfloat16 autocast": "plain tutorial DDP loop + bfloat16 autocast"}
 
 
 @dataclass
@@ -119,8 +124,13 @@ def rows(device: str) -> list[Row]:
         Row("device-side data path", "distributed.py", "torchrun", ["--loader", "device"], "technique"),
         Row("no SyncBatchNorm", "distributed.py", "torchrun", ["--no-sync-bn"], "technique"),
         # the peers: the same job as others write it, and the bare step's ceilings once compiled
-        Row("plain tutorial DDP loop", "benchmarks/peers/plain_ddp.py", "torchrun", table="peer"),
-        Row("Lightning Trainer, DDP", "benchmarks/peers/lightning_ddp.py", "torchrun", table="peer", needs="lightning"),
+        Row("plain tutorial DDP loop", PLAIN, "torchrun", table="peer"),
+        Row("Lightning Trainer, DDP", LIGHTNING, "torchrun", table="peer", needs="lightning"),
+        # and in their mixed precision, beside "DDP + bfloat16 autocast"
+        Row("plain tutorial DDP loop + bfloat16 autocast", PLAIN, "torchrun", ["--precision", "bfloat16"], "peer",
+            amp="bfloat16"),
+        Row("Lightning Trainer, DDP, bf16-mixed", LIGHTNING, "torchrun", ["--precision", "bfloat16"], "peer",
+            amp="bfloat16", needs="lightning"),
         Row("bare step, compiled", BARE_STEP, "side by side", ["--compile", "default"], "peer",
             full_only=not gpu),
         Row("bare step, CUDA graphs", BARE_STEP, "side by side", ["--compile", "reduce-overhead"],
@@ -130,9 +140,9 @@ def rows(device: str) -> list[Row]:
 
 def keyword_rows(device: str) -> dict[str, set[str]]:
     """The row names that a word of --only stands for: seed, the seed table's four; peers, the peers table's
-    rows and DDP (torchrun), the row of ours they are compared with."""
+    rows and the rows of ours they are compared with (DDP (torchrun), DDP + bfloat16 autocast)."""
     return {"seed": set(seed_rows(device).values()),
-            "peers": {r.name for r in rows(device) if r.table == "peer"} | {"DDP (torchrun)"}}
+            "peers": {r.name for r in rows(device) if r.table == "peer"} | set(OURS_BESIDE_PEERS)}
 
 
 def importable(module: str) -> bool:
@@ -200,7 +210,7 @@ def peer_command(row: Row, args) -> list[str]:
     """A peer program under torchrun, on the workload of our rows: the same per-rank batch, steps, epochs, workers."""
     return launch(row, args.nprocs) + [
         "--device", args.device, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
-        "--epochs", str(args.epochs), "--workers", str(args.workers)]
+        "--epochs", str(args.epochs), "--workers", str(args.workers)] + row.flags
 
 
 def peer_epochs(stdout: str) -> list[dict]:
@@ -217,6 +227,10 @@ def run_peer(row: Row, args) -> dict:
         error = ((result.stderr.strip().splitlines() or ["no output"])[-1][:200] if result.returncode else
                  f"printed {len(epochs)} epoch lines for {args.epochs} epochs")
         return {"error": error, "command": " ".join(cmd)}
+    computed = {e.get("outputs") for e in epochs}
+    if computed != {row.amp or "float32"}:  # the row measures the precision its name says, or nothing
+        return {"error": f"its model's outputs were {', '.join(map(str, sorted(computed, key=str)))}, "
+                         f"not {row.amp or 'float32'}", "command": " ".join(cmd)}
     return {"processes": epochs[-1]["world_size"],
             "images_per_s": statistics.median(e["images_per_s"] for e in epochs[1:]),
             "wall_s": time.perf_counter() - started}
@@ -337,37 +351,50 @@ def seed_table(results: dict) -> list[str]:
     return lines + [""]
 
 
+def program(r: dict, n: int) -> str:
+    """How a row of the peers table was started, as one would type it."""
+    extra = f" {' '.join(r['flags'])}" if r["flags"] else ""
+    if r["script"] == BARE_STEP:
+        return f"`{BARE_STEP}{extra}`, {n} side by side"
+    if r.get("start") == "spawn":
+        return f"`python {r['script']} --nprocs {n}{extra}`"
+    return f"`torchrun --nproc_per_node={n} {' '.join(launch_target(r['script'], Path()))}{extra}`"
+
+
 def peers_table(results: dict) -> list[str]:
-    """The bare step's ceilings, DDP (torchrun) and the peer programs, then how ours compare with the peers."""
+    """The bare step's ceilings, our rows beside the peers and the peer programs, then how ours compare with
+    the peer of their precision."""
     meta = results["meta"]
     peers = [r for r in results["rows"] if r["table"] == "peer"]
     if not peers:
         return []
-    n, ideal_rate = meta["nprocs"], meta["ideal"]["float32"]["images_per_s"]
-    ours = next((r for r in results["rows"] if r["name"] == "DDP (torchrun)" and "images_per_s" in r), None)
-    ceilings = [r for r in peers if r["script"] == BARE_STEP]
+    n, ideals = meta["nprocs"], meta["ideal"]
+    measured = {r["name"]: r for r in results["rows"] if "images_per_s" in r}
+    base = measured.get("DDP (torchrun)")
+    ours = [measured[name] for name in OURS_BESIDE_PEERS if name in measured]
+    eager = {"name": "bare step, eager (the ideal)", "script": BARE_STEP, "flags": [], "amp": None, "processes": n,
+             "images_per_s": ideals["float32"]["images_per_s"]}
+    ceilings = [eager] + [r for r in peers if r["script"] == BARE_STEP]
     programs = [r for r in peers if r["script"] != BARE_STEP]
-    entries = [("bare step, eager (the ideal)", f"`{BARE_STEP}`, {n} side by side", n, ideal_rate)]
-    entries += [(r["name"], f"`{BARE_STEP} {' '.join(r['flags'])}`, {n} side by side", r.get("processes"),
-                 r.get("images_per_s") or r.get("error", "not run")) for r in ceilings]
-    entries += [(r["name"], f"`torchrun --nproc_per_node={n} {' '.join(launch_target(r['script'], Path()))}`",
-                 r.get("processes"), r.get("images_per_s") or r.get("error", "not run"))
-                for r in ([ours] if ours else []) + programs]
     lines = ["### Peers (the same job written as others write it, and the bare step's ceilings)", "",
              "| row | program + launcher | processes | images/s | s per 50,000-image epoch | vs ideal "
              "| vs DDP (torchrun) |", "|---|---|---|---|---|---|---|"]
-    for name, what, processes, rate in entries:
-        if isinstance(rate, str):  # the row's error
-            lines.append(f"| {name} | {what} | | {rate} | | | |")
+    for r in ceilings + ours + programs:
+        if "images_per_s" not in r:
+            lines.append(f"| {r['name']} | {program(r, n)} | | {r.get('error', 'not run')} | | | |")
             continue
-        versus = f"{rate / ours['images_per_s']:.2f}" if ours else ""
-        lines.append(f"| {name} | {what} | {processes} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
-                     f"| {rate / ideal_rate:.2f} | {versus} |")
+        rate, ideal_rate = r["images_per_s"], ideals.get(r["amp"] or "float32", {}).get("images_per_s")
+        versus_ideal = f"{rate / ideal_rate:.2f}" if ideal_rate else ""
+        versus_ddp = f"{rate / base['images_per_s']:.2f}" if base else ""
+        lines.append(f"| {r['name']} | {program(r, n)} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
+                     f"| {versus_ideal} | {versus_ddp} |")
     lines.append("")
     ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
-    if ours and "plain tutorial DDP loop" in ran:
-        ratio = ours["images_per_s"] / ran["plain tutorial DDP loop"]
-        lines.append(f"`distributed.py` (DDP (torchrun)) runs at {ratio:.2f}x the plain tutorial DDP loop.")
+    for r in ours:
+        if (peer := OURS_BESIDE_PEERS[r["name"]]) in ran:
+            flags_ = f" {' '.join(r['flags'])}" if r["flags"] else ""
+            lines.append(f"`{r['script']}{flags_}` ({r['name']}) runs at {r['images_per_s'] / ran[peer]:.2f}x the "
+                         f"{peer}.")
     best = max((r for r in results["rows"] if r["table"] != "peer" and "images_per_s" in r),
                key=lambda r: r["images_per_s"], default=None)
     if best and ran:
@@ -423,7 +450,7 @@ def main(argv=None):
                              f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas; "
-                             "seed: the seed table's four rows; peers: the peers table and DDP (torchrun))")
+                             "seed: the seed table's four rows; peers: the peers table and the two DDP rows beside it)")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -500,8 +527,8 @@ def main(argv=None):
     for row in selected:
         bar.set_description(row.name)
         measured = run_row(row, args)
-        results["rows"].append({"name": row.name, "script": row.script, "flags": row.flags, "table": row.table,
-                                "amp": row.amp, **measured})
+        results["rows"].append({"name": row.name, "script": row.script, "start": row.start, "flags": row.flags,
+                                "table": row.table, "amp": row.amp, **measured})
         done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
                                 if "images_per_s" in measured else f"failed: {measured['error']}"))
     # the float32 ideal again at the end, so that the machine's drift during the run shows

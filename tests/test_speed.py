@@ -119,6 +119,7 @@ def fake_measurements(monkeypatch, native_bfloat16: bool):
     monkeypatch.setattr(bench, "flops_per_image", lambda: 3.3e9)
     rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
              "DDP + bfloat16 autocast": 100.0, "plain tutorial DDP loop": 50.0, "Lightning Trainer, DDP": 40.0,
+             "plain tutorial DDP loop + bfloat16 autocast": 80.0, "Lightning Trainer, DDP, bf16-mixed": 75.0,
              "bare step, compiled": 120.0}
     monkeypatch.setattr(bench, "run_row", lambda row, args: {
         "processes": 2, "images_per_s": rates[row.name], "peak_memory_mb": 1.0, "wall_s": 0.0})
@@ -149,15 +150,27 @@ def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypa
 
 
 def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
-    """--only peers: DDP (torchrun), the plain loop and Lightning, with the ideal as the eager ceiling; --quick
+    """--only peers: DDP (torchrun) and DDP + bfloat16 autocast, the plain loop and Lightning in float32 and in
+    bfloat16, with the ideal as the eager ceiling; each of ours against the peer of its precision; --quick
     leaves out the compiled ceiling and the CPU the CUDA graphs one, each saying so in one line."""
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
     monkeypatch.setattr(bench, "importable", lambda module: True)
+    monkeypatch.setattr(bench, "ideal", lambda args, amp: {"images_per_s": 200.0 if amp else 100.0})
     bench.main(["--quick", "--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "benchmark.json").read_text())
-    assert [(r["name"], r["table"]) for r in results["rows"]] == [
-        ("DDP (torchrun)", "method"), ("plain tutorial DDP loop", "peer"), ("Lightning Trainer, DDP", "peer")]
+    assert [(r["name"], r["table"], r["amp"]) for r in results["rows"]] == [
+        ("DDP (torchrun)", "method", None), ("DDP + bfloat16 autocast", "method", "bfloat16"),
+        ("plain tutorial DDP loop", "peer", None), ("Lightning Trainer, DDP", "peer", None),
+        ("plain tutorial DDP loop + bfloat16 autocast", "peer", "bfloat16"),
+        ("Lightning Trainer, DDP, bf16-mixed", "peer", "bfloat16")]
     table = (tmp_path / "benchmark.md").read_text()
+    # the bfloat16 rows against the bfloat16 ideal (200 images/s), each started as its row starts it
+    assert "| DDP + bfloat16 autocast | `python distributed_apex.py --nprocs 2 --amp-dtype bfloat16` | 2 | 100.0 " \
+           "| 500.0 | 0.50 | 1.67 |" in table
+    assert "| plain tutorial DDP loop + bfloat16 autocast | `torchrun --nproc_per_node=2 -m " \
+           "benchmarks.peers.plain_ddp --precision bfloat16` | 2 | 80.0 | 625.0 | 0.40 | 1.33 |" in table
+    assert "`distributed_apex.py --amp-dtype bfloat16` (DDP + bfloat16 autocast) runs at 1.25x the plain tutorial " \
+           "DDP loop + bfloat16 autocast." in table
     assert "### Peers" in table and "### Techniques" not in table
     assert "| bare step, eager (the ideal) | `benchmarks/bare_step.py`, 2 side by side | 2 | 100.0 | 500.0 | 1.00 " \
            "| 1.67 |" in table
@@ -166,7 +179,8 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
            "| 1000.0 | 0.50 | 0.83 |" in table
     assert "| Lightning Trainer, DDP | `torchrun --nproc_per_node=2 -m benchmarks.peers.lightning_ddp` |" in table
     assert "`distributed.py` (DDP (torchrun)) runs at 1.20x the plain tutorial DDP loop." in table
-    assert "Our fastest row in this run, DDP (torchrun), is 1.20x the fastest peer, plain tutorial DDP loop." in table
+    assert "Our fastest row in this run, DDP + bfloat16 autocast, is 1.25x the fastest peer, plain tutorial DDP " \
+           "loop + bfloat16 autocast." in table
     assert "bare step, compiled: left out, not in --quick" in table
     assert "bare step, CUDA graphs: left out, it needs a GPU." in table
 
@@ -201,43 +215,52 @@ def test_a_peer_is_read_from_its_epoch_lines(monkeypatch):
 
     from benchmarks import run as bench
     lines = ["GPU available: False, used: False"] + [json.dumps(
-        {"epoch": e, "images_per_s": rate, "epoch_time_s": 1.0, "train_loss": 4.6, "world_size": 2})
-        for e, rate in ((1, 5.0), (2, 30.0), (3, 10.0), (4, 20.0))]
+        {"epoch": e, "images_per_s": rate, "epoch_time_s": 1.0, "train_loss": 4.6, "world_size": 2,
+         "outputs": "float32"}) for e, rate in ((1, 5.0), (2, 30.0), (3, 10.0), (4, 20.0))]
     monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: CompletedProcess(cmd, 0, "\n".join(lines), ""))
     args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=4, workers=0)
     (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
+    (plain_bf16,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop + bfloat16 autocast"]
     measured = bench.run_peer(plain, args)
     assert (measured["processes"], measured["images_per_s"]) == (2, 20.0)
+    # a row that did not compute in the precision its name says is an error, not a figure
+    assert bench.run_peer(plain_bf16, args)["error"] == "its model's outputs were float32, not bfloat16"
     lines.pop()  # an epoch line missing: an error, not a median of the others
     assert bench.run_peer(plain, args)["error"] == "printed 3 epoch lines for 4 epochs"
 
 
 @pytest.mark.slow
-def test_plain_tutorial_loop_trains_under_torchrun_and_reports_images_per_s():
-    """The plain loop's real launch (torchrun, 2 CPU processes, a DataLoader worker each), 2 epochs of 1 step."""
+@pytest.mark.parametrize("name, outputs", [("plain tutorial DDP loop", "float32"),
+                                           ("plain tutorial DDP loop + bfloat16 autocast", "bfloat16")])
+def test_plain_tutorial_loop_trains_under_torchrun_and_reports_images_per_s(name, outputs):
+    """The plain loop's real launch (torchrun, 2 CPU processes, a DataLoader worker each), 2 epochs of 1 step,
+    in float32 and under bfloat16 autocast."""
     from argparse import Namespace
 
     from benchmarks import run as bench
-    (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
+    (plain,) = [r for r in bench.rows("cpu") if r.name == name]
     args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=2, workers=1)
     result = check(run(bench.peer_command(plain, args), timeout=180))
     epochs = bench.peer_epochs(result.stdout)
-    assert [(e["epoch"], e["world_size"]) for e in epochs] == [(1, 2), (2, 2)]
+    assert [(e["epoch"], e["world_size"], e["outputs"]) for e in epochs] == [(1, 2, outputs), (2, 2, outputs)]
     assert all(e["images_per_s"] > 0 and 0 < e["train_loss"] < 20 for e in epochs), epochs
     assert epochs[1]["images_per_s"] == pytest.approx(8 / epochs[1]["epoch_time_s"])  # 1 step of 4 images x 2 ranks
 
 
 @pytest.mark.slow
-def test_lightning_peer_trains_under_torchrun():
-    """Where lightning is installed (an optional dependency): its Trainer under torchrun, 2 CPU processes."""
+@pytest.mark.parametrize("name, outputs", [("Lightning Trainer, DDP", "float32"),
+                                           ("Lightning Trainer, DDP, bf16-mixed", "bfloat16")])
+def test_lightning_peer_trains_under_torchrun(name, outputs):
+    """Where lightning is installed (an optional dependency): its Trainer under torchrun, 2 CPU processes, in
+    float32 and in its bf16-mixed precision."""
     pytest.importorskip("lightning")
     from argparse import Namespace
 
     from benchmarks import run as bench
-    (row,) = [r for r in bench.rows("cpu") if r.name == "Lightning Trainer, DDP"]
+    (row,) = [r for r in bench.rows("cpu") if r.name == name]
     args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=2, workers=0)
     epochs = bench.peer_epochs(check(run(bench.peer_command(row, args), timeout=180)).stdout)
-    assert [(e["epoch"], e["world_size"]) for e in epochs] == [(1, 2), (2, 2)]
+    assert [(e["epoch"], e["world_size"], e["outputs"]) for e in epochs] == [(1, 2, outputs), (2, 2, outputs)]
     assert all(e["images_per_s"] > 0 and 0 < e["train_loss"] < 20 for e in epochs), epochs
 
 

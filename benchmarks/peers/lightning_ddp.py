@@ -8,8 +8,10 @@ DataLoader workers kept across epochs), ResNet-18 for 32x32 images and SGD, in a
 Trainer(strategy="ddp") trains. Started by torchrun, which Lightning recognises (TorchElasticEnvironment)
 instead of starting processes of its own. The Trainer adds its DistributedSampler and set_epoch, the DDP
 wrap and SyncBatchNorm on GPUs (sync_batchnorm=True; on the CPU plain BatchNorm, as in the plain loop).
+`--precision bfloat16` is the Trainer's precision="bf16-mixed" (autocast in bfloat16, as the plain loop's).
 The logger, checkpoints, progress bar and model summary are off: neither loop has them. A callback times
-each training epoch, from its start to its last optimizer step, and rank 0 prints one JSON line per epoch.
+each training epoch, from its start to its last optimizer step, and rank 0 prints one JSON line per epoch
+in the plain loop's form.
 """
 import json
 import os
@@ -38,7 +40,9 @@ class Classifier(L.LightningModule):
 
     def training_step(self, batch, batch_idx):
         images, targets = batch
-        return self.criterion(self.model(images), targets)
+        outputs = self.model(images)
+        self.outputs_dtype = str(outputs.dtype).removeprefix("torch.")  # what Trainer's precision made of it
+        return self.criterion(outputs, targets)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9, weight_decay=5e-4)
@@ -66,7 +70,7 @@ class EpochTimer(L.Callback):
         if trainer.is_global_zero:
             print(json.dumps({"epoch": trainer.current_epoch + 1, "images_per_s": images / seconds,
                               "epoch_time_s": seconds, "train_loss": self.loss_sum.item() / self.steps,
-                              "world_size": trainer.world_size}), flush=True)
+                              "world_size": trainer.world_size, "outputs": module.outputs_dtype}), flush=True)
 
 
 def main(argv=None):
@@ -78,6 +82,7 @@ def main(argv=None):
                         persistent_workers=args.workers > 0, pin_memory=args.device == "cuda")
     trainer = L.Trainer(accelerator="gpu" if args.device == "cuda" else "cpu", devices=processes,
                         num_nodes=world_size // processes, strategy="ddp", sync_batchnorm=args.device == "cuda",
+                        precision="bf16-mixed" if args.precision == "bfloat16" else "32-true",
                         max_epochs=args.epochs, callbacks=[EpochTimer(args.batch_size)], logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Classifier(args.lr), loader)

@@ -8,8 +8,10 @@ apply torchvision's transforms to one image at a time and are kept across epochs
 no checkpoints, no stop signals, no evaluation. The model is ResNet-18 for 32x32 images
 (utils.models.resnet18_cifar) with SyncBatchNorm on GPUs; on the CPU plain per-rank BatchNorm, since
 torch's SyncBatchNorm refuses CPU tensors. The data is the synthetic CIFAR-shaped set (utils.data.synthetic).
+`--precision bfloat16` runs the forward pass under torch.autocast in bfloat16, the tutorials' mixed precision.
 Rank 0 prints one JSON line per epoch: the images/s of all processes together, the epoch's seconds
-(from asking for its first batch to its last optimizer step) and rank 0's mean loss.
+(from asking for its first batch to its last optimizer step), rank 0's mean loss and the dtype its
+model's outputs had (what benchmarks.run checks the precision by).
 """
 import json
 import os
@@ -53,6 +55,8 @@ def parse_args(argv=None, prog: str = "benchmarks.peers.plain_ddp", doc: str = _
     parser.add_argument("--epochs", type=flags.positive_int, default=3, help="epochs to train")
     parser.add_argument("--workers", type=flags.non_negative_int, default=4, help="DataLoader workers per process")
     parser.add_argument("--lr", type=flags.non_negative_float, default=0.1, help="SGD learning rate")
+    parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
+                        help="bfloat16: the forward pass under torch.autocast in bfloat16 (Lightning: bf16-mixed)")
     args = parser.parse_args(argv)
     if "LOCAL_RANK" not in os.environ:
         parser.error("start it with torchrun, which tells each process its rank")
@@ -61,20 +65,23 @@ def parse_args(argv=None, prog: str = "benchmarks.peers.plain_ddp", doc: str = _
     return args
 
 
-def train_epoch(model, loader, optimizer, criterion, device) -> tuple[float, float]:
-    """One pass over this rank's share of the set: (seconds, mean loss)."""
+def train_epoch(model, loader, optimizer, criterion, device, amp_dtype=None) -> tuple[float, float, str]:
+    """One pass over this rank's share of the set, the forward under autocast in amp_dtype unless None:
+    (seconds, mean loss, the dtype of the model's outputs)."""
     model.train()
     start, loss_sum = time.perf_counter(), torch.zeros((), device=device)
     for images, targets in loader:
         images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        loss = criterion(model(images), targets)
+        with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            outputs = model(images)
+            loss = criterion(outputs, targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP all-reduces the gradients while backward runs
         optimizer.step()
         loss_sum += loss.detach()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    return time.perf_counter() - start, loss_sum.item() / len(loader)
+    return time.perf_counter() - start, loss_sum.item() / len(loader), str(outputs.dtype).removeprefix("torch.")
 
 
 def main(argv=None):
@@ -95,12 +102,13 @@ def main(argv=None):
     model = DDP(model.to(device), device_ids=[local_rank] if cuda else None)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
     criterion = nn.CrossEntropyLoss()
+    amp_dtype = torch.bfloat16 if args.precision == "bfloat16" else None
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
-        seconds, loss = train_epoch(model, loader, optimizer, criterion, device)
+        seconds, loss, outputs = train_epoch(model, loader, optimizer, criterion, device, amp_dtype)
         if dist.get_rank() == 0:
             print(json.dumps({"epoch": epoch + 1, "images_per_s": len(dataset) / seconds, "epoch_time_s": seconds,
-                              "train_loss": loss, "world_size": world_size}), flush=True)
+                              "train_loss": loss, "world_size": world_size, "outputs": outputs}), flush=True)
     dist.destroy_process_group()
 
 
