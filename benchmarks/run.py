@@ -53,9 +53,7 @@ EPOCH_IMAGES = 50_000
 WORKERS = "4"  # the scripts' default --workers
 BARE_STEP = "benchmarks/bare_step.py"
 PLAIN, LIGHTNING = "benchmarks/peers/plain_ddp.py", "benchmarks/peers/lightning_ddp.py"
-# the rows of ours that the peers table puts beside the peers, each with the peer of its precision
-OURS_BESIDE_PEERS = {"DDP (torchrun)": "plain tutorial DDP loop",
-                     "DDP + bfloat16 autocast": "plain tutorial DDP loop + bfloat16 autocast"}
+PLAIN_LOOP, PLAIN_LOOP_BF16 = "plain tutorial DDP loop", "plain tutorial DDP loop + bfloat16 autocast"
 
 
 @dataclass
@@ -95,6 +93,9 @@ def rows(device: str) -> list[Row]:
         *([] if gpu else [Row(f"DDP, {WORKERS} DataLoader workers ({start})", script, start, ["--workers", WORKERS])
                           for start, script in (("torchrun", "distributed.py"), ("spawn", "distributed_mp.py"))]),
         Row("DDP + bfloat16 autocast", "distributed_apex.py", "spawn", ["--amp-dtype", "bfloat16"], amp="bfloat16"),
+        # on the CPU the peers keep per-rank BatchNorm (torch's SyncBatchNorm is GPU-only): the row like them
+        *([] if gpu else [Row("DDP + bfloat16 autocast, no SyncBatchNorm", "distributed_apex.py", "spawn",
+                              ["--amp-dtype", "bfloat16", "--no-sync-bn"], amp="bfloat16")]),
         Row("DDP + float16 autocast + GradScaler", "distributed_apex.py", "spawn", ["--amp-dtype", "float16"],
             amp="float16", gpu_only=True),
         Row("DDP + gradient accumulation (k=4)", "distributed_gradient_accumulation.py", "spawn",
@@ -124,10 +125,10 @@ def rows(device: str) -> list[Row]:
         Row("device-side data path", "distributed.py", "torchrun", ["--loader", "device"], "technique"),
         Row("no SyncBatchNorm", "distributed.py", "torchrun", ["--no-sync-bn"], "technique"),
         # the peers: the same job as others write it, and the bare step's ceilings once compiled
-        Row("plain tutorial DDP loop", PLAIN, "torchrun", table="peer"),
+        Row(PLAIN_LOOP, PLAIN, "torchrun", table="peer"),
         Row("Lightning Trainer, DDP", LIGHTNING, "torchrun", table="peer", needs="lightning"),
         # and in their mixed precision, beside "DDP + bfloat16 autocast"
-        Row("plain tutorial DDP loop + bfloat16 autocast", PLAIN, "torchrun", ["--precision", "bfloat16"], "peer",
+        Row(PLAIN_LOOP_BF16, PLAIN, "torchrun", ["--precision", "bfloat16"], "peer",
             amp="bfloat16"),
         Row("Lightning Trainer, DDP, bf16-mixed", LIGHTNING, "torchrun", ["--precision", "bfloat16"], "peer",
             amp="bfloat16", needs="lightning"),
@@ -138,11 +139,20 @@ def rows(device: str) -> list[Row]:
     ]
 
 
+def ours_beside_peers(device: str) -> dict[str, str]:
+    """The rows of ours that the peers table puts beside the peers, each with the plain loop of its precision;
+    on the CPU, where the peers keep per-rank BatchNorm, also our rows without SyncBatchNorm, which are like them."""
+    pairs = {"DDP (torchrun)": PLAIN_LOOP, "DDP + bfloat16 autocast": PLAIN_LOOP_BF16}
+    if device == "cpu":
+        pairs |= {"no SyncBatchNorm": PLAIN_LOOP, "DDP + bfloat16 autocast, no SyncBatchNorm": PLAIN_LOOP_BF16}
+    return pairs
+
+
 def keyword_rows(device: str) -> dict[str, set[str]]:
     """The row names that a word of --only stands for: seed, the seed table's four; peers, the peers table's
-    rows and the rows of ours they are compared with (DDP (torchrun), DDP + bfloat16 autocast)."""
+    rows and the rows of ours they are compared with (ours_beside_peers)."""
     return {"seed": set(seed_rows(device).values()),
-            "peers": {r.name for r in rows(device) if r.table == "peer"} | set(OURS_BESIDE_PEERS)}
+            "peers": {r.name for r in rows(device) if r.table == "peer"} | set(ours_beside_peers(device))}
 
 
 def importable(module: str) -> bool:
@@ -371,7 +381,8 @@ def peers_table(results: dict) -> list[str]:
     n, ideals = meta["nprocs"], meta["ideal"]
     measured = {r["name"]: r for r in results["rows"] if "images_per_s" in r}
     base = measured.get("DDP (torchrun)")
-    ours = [measured[name] for name in OURS_BESIDE_PEERS if name in measured]
+    beside = ours_beside_peers(meta["device"])
+    ours = [measured[name] for name in beside if name in measured]
     eager = {"name": "bare step, eager (the ideal)", "script": BARE_STEP, "flags": [], "amp": None, "processes": n,
              "images_per_s": ideals["float32"]["images_per_s"]}
     ceilings = [eager] + [r for r in peers if r["script"] == BARE_STEP]
@@ -391,7 +402,7 @@ def peers_table(results: dict) -> list[str]:
     lines.append("")
     ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
     for r in ours:
-        if (peer := OURS_BESIDE_PEERS[r["name"]]) in ran:
+        if (peer := beside[r["name"]]) in ran:
             flags_ = f" {' '.join(r['flags'])}" if r["flags"] else ""
             lines.append(f"`{r['script']}{flags_}` ({r['name']}) runs at {r['images_per_s'] / ran[peer]:.2f}x the "
                          f"{peer}.")
@@ -403,8 +414,8 @@ def peers_table(results: dict) -> list[str]:
                      f"fastest peer, {peer}.")
     if meta["device"] == "cpu":
         lines.append("On the CPU the peers keep per-rank BatchNorm (torch's SyncBatchNorm refuses CPU tensors) where "
-                     "`distributed.py` synchronises it (CpuSyncBatchNorm): their like-for-like row of ours is "
-                     "\"no SyncBatchNorm\" (`--only peers,no SyncBatchNorm`).")
+                     "our DDP rows synchronise it (CpuSyncBatchNorm): the rows of ours without SyncBatchNorm are the "
+                     "ones like them.")
     return lines + [""]
 
 
@@ -450,7 +461,7 @@ def main(argv=None):
                              f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas; "
-                             "seed: the seed table's four rows; peers: the peers table and the two DDP rows beside it)")
+                             "seed: the seed table's four rows; peers: the peers table and our rows beside it)")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":

@@ -120,7 +120,7 @@ def fake_measurements(monkeypatch, native_bfloat16: bool):
     rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
              "DDP + bfloat16 autocast": 100.0, "plain tutorial DDP loop": 50.0, "Lightning Trainer, DDP": 40.0,
              "plain tutorial DDP loop + bfloat16 autocast": 80.0, "Lightning Trainer, DDP, bf16-mixed": 75.0,
-             "bare step, compiled": 120.0}
+             "no SyncBatchNorm": 70.0, "DDP + bfloat16 autocast, no SyncBatchNorm": 90.0, "bare step, compiled": 120.0}
     monkeypatch.setattr(bench, "run_row", lambda row, args: {
         "processes": 2, "images_per_s": rates[row.name], "peak_memory_mb": 1.0, "wall_s": 0.0})
     return bench
@@ -150,9 +150,10 @@ def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypa
 
 
 def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
-    """--only peers: DDP (torchrun) and DDP + bfloat16 autocast, the plain loop and Lightning in float32 and in
-    bfloat16, with the ideal as the eager ceiling; each of ours against the peer of its precision; --quick
-    leaves out the compiled ceiling and the CPU the CUDA graphs one, each saying so in one line."""
+    """--only peers: DDP (torchrun) and DDP + bfloat16 autocast (on the CPU also both without SyncBatchNorm, as
+    the peers are there), the plain loop and Lightning in float32 and in bfloat16, with the ideal as the eager
+    ceiling; each of ours against the plain loop of its precision; --quick leaves out the compiled ceiling
+    and the CPU the CUDA graphs one, each saying so in one line."""
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
     monkeypatch.setattr(bench, "importable", lambda module: True)
     monkeypatch.setattr(bench, "ideal", lambda args, amp: {"images_per_s": 200.0 if amp else 100.0})
@@ -160,6 +161,7 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
     results = json.loads((tmp_path / "benchmark.json").read_text())
     assert [(r["name"], r["table"], r["amp"]) for r in results["rows"]] == [
         ("DDP (torchrun)", "method", None), ("DDP + bfloat16 autocast", "method", "bfloat16"),
+        ("DDP + bfloat16 autocast, no SyncBatchNorm", "method", "bfloat16"), ("no SyncBatchNorm", "technique", None),
         ("plain tutorial DDP loop", "peer", None), ("Lightning Trainer, DDP", "peer", None),
         ("plain tutorial DDP loop + bfloat16 autocast", "peer", "bfloat16"),
         ("Lightning Trainer, DDP, bf16-mixed", "peer", "bfloat16")]
@@ -171,7 +173,11 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
            "benchmarks.peers.plain_ddp --precision bfloat16` | 2 | 80.0 | 625.0 | 0.40 | 1.33 |" in table
     assert "`distributed_apex.py --amp-dtype bfloat16` (DDP + bfloat16 autocast) runs at 1.25x the plain tutorial " \
            "DDP loop + bfloat16 autocast." in table
-    assert "### Peers" in table and "### Techniques" not in table
+    assert "`distributed.py --no-sync-bn` (no SyncBatchNorm) runs at 1.40x the plain tutorial DDP loop." in table
+    # on a GPU the peers synchronise BatchNorm as our rows do: no rows without it beside them
+    assert bench.keyword_rows("cuda")["peers"] & {"no SyncBatchNorm", "DDP + bfloat16 autocast, no SyncBatchNorm"} \
+        == set()
+    assert "### Peers" in table and "### Techniques" in table  # "no SyncBatchNorm" is a technique row
     assert "| bare step, eager (the ideal) | `benchmarks/bare_step.py`, 2 side by side | 2 | 100.0 | 500.0 | 1.00 " \
            "| 1.67 |" in table
     assert "| DDP (torchrun) | `torchrun --nproc_per_node=2 distributed.py` | 2 | 60.0 | 833.3 | 0.60 | 1.00 |" in table
