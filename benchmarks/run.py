@@ -28,12 +28,15 @@ and in CUDA graphs (GPUs only).
 With --quick on a CPU without native bfloat16 instructions (where bfloat16 is emulated, some 18x slower
 than float32), the bfloat16 rows, ideal and peak are left out, and the output says so.
 
-Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json.
+Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json; the tables
+after every row, so a run stopped (Ctrl-C, SIGTERM: the row being measured is stopped too) or killed
+keeps the rows it measured, marked unfinished.
 """
 import importlib.util
 import json
 import os
 import platform
+import signal
 import statistics
 import subprocess
 import sys
@@ -186,6 +189,23 @@ def launch(row: Row, nprocs: int) -> list[str]:
     return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
 
 
+def run_stoppable(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd) from the repository's root, its output captured. When the benchmark is stopped
+    meanwhile (Ctrl-C, SIGTERM), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s
+    to exit (then SIGKILL): no rank outlives the benchmark or writes into its row's directory once removed."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+        try:
+            stdout, stderr = proc.communicate()
+        except KeyboardInterrupt:
+            proc.terminate()
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+            raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
 def threads_env(processes: int) -> dict:
     """On the CPU each process gets an equal share of the cores, so every row uses all of them."""
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
@@ -205,7 +225,7 @@ def run_row(row: Row, args) -> dict:
             "--workers", str(args.workers), "--device", args.device, "--print-freq", "1000000",
             "--output-dir", out] + row.flags
         started = time.perf_counter()
-        result = subprocess.run(cmd, cwd=ROOT, env=threads_env(processes), capture_output=True, text=True)
+        result = run_stoppable(cmd, threads_env(processes))
         if result.returncode != 0:
             return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:200],
                     "command": " ".join(cmd)}
@@ -231,7 +251,7 @@ def peer_epochs(stdout: str) -> list[dict]:
 def run_peer(row: Row, args) -> dict:
     cmd = peer_command(row, args)
     started = time.perf_counter()
-    result = subprocess.run(cmd, cwd=ROOT, env=threads_env(args.nprocs), capture_output=True, text=True)
+    result = run_stoppable(cmd, threads_env(args.nprocs))
     epochs = peer_epochs(result.stdout)
     if result.returncode != 0 or len(epochs) != args.epochs:
         error = ((result.stderr.strip().splitlines() or ["no output"])[-1][:200] if result.returncode else
@@ -314,6 +334,8 @@ def markdown(results: dict) -> str:
                  for k, v in meta["ideal"].items()) + ".",
              "Peak of one device (the faster of large matmuls and convolutions): " + ", ".join(
                  f"{k} {v:.2f} TFLOP/s" for k, v in meta["peak_tflops"].items()) + ".", ""]
+    if meta.get("unfinished"):
+        lines += [f"**Unfinished:** {meta['unfinished']}", ""]
     for line in meta.get("left_out") or []:
         lines += [line, ""]
     lines += seed_table(results)
@@ -417,6 +439,19 @@ def peers_table(results: dict) -> list[str]:
                      "our DDP rows synchronise it (CpuSyncBatchNorm): the rows of ours without SyncBatchNorm are the "
                      "ones like them.")
     return lines + [""]
+
+
+def stop_as_ctrl_c(signum: int, _frame) -> None:
+    """A signal handler: the benchmark stops as on Ctrl-C (KeyboardInterrupt), told which signal it was."""
+    raise KeyboardInterrupt(signum)
+
+
+def write_tables(results: dict, out: Path) -> None:
+    """benchmark.json and benchmark.md, each replaced whole (written beside, then renamed over)."""
+    for name, text in (("benchmark.json", json.dumps(results, indent=1)), ("benchmark.md", markdown(results))):
+        partial = out / f".{name}.partial"
+        partial.write_text(text)
+        partial.replace(out / name)
 
 
 def chart(results: dict, path: Path) -> None:
@@ -528,29 +563,43 @@ def main(argv=None):
         eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
         bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
 
-    for amp in dtypes:
-        bar.set_description(f"ideal and peak, {amp or 'float32'}")
-        meta["ideal"][amp or "float32"] = ideal(args, amp)
-        meta["peak_tflops"][amp or "float32"] = device_peak(args, amp or "float32")
-        done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
-             f"peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
     results = {"meta": meta, "rows": []}
-    for row in selected:
-        bar.set_description(row.name)
-        measured = run_row(row, args)
-        results["rows"].append({"name": row.name, "script": row.script, "start": row.start, "flags": row.flags,
-                                "table": row.table, "amp": row.amp, **measured})
-        done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
-                                if "images_per_s" in measured else f"failed: {measured['error']}"))
-    # the float32 ideal again at the end, so that the machine's drift during the run shows
-    bar.set_description("ideal float32, again")
-    again = ideal(args, None)["images_per_s"]
+    signal.signal(signal.SIGTERM, stop_as_ctrl_c)  # kill -TERM: stopped as Ctrl-C stops it, the rows so far kept
+    try:
+        for amp in dtypes:
+            bar.set_description(f"ideal and peak, {amp or 'float32'}")
+            meta["ideal"][amp or "float32"] = ideal(args, amp)
+            meta["peak_tflops"][amp or "float32"] = device_peak(args, amp or "float32")
+            done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
+                 f"peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
+        for row in selected:
+            bar.set_description(row.name)
+            measured = run_row(row, args)
+            results["rows"].append({"name": row.name, "script": row.script, "start": row.start, "flags": row.flags,
+                                    "table": row.table, "amp": row.amp, **measured})
+            # the tables so far after every row: a run stopped or killed keeps the rows it measured
+            meta["unfinished"] = (f"{len(results['rows'])} of {len(selected)} rows measured when this was written; "
+                                  "the run did not finish, and the float32 ideal was measured before the rows only.")
+            write_tables(results, out)
+            done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
+                                    if "images_per_s" in measured else f"failed: {measured['error']}"))
+        # the float32 ideal again at the end, so that the machine's drift during the run shows
+        bar.set_description("ideal float32, again")
+        again = ideal(args, None)["images_per_s"]
+    except KeyboardInterrupt as stop:  # the rows measured so far are in the files, said to be unfinished
+        bar.close()  # (the row being measured was stopped by run_stoppable)
+        signum = stop.args[0] if stop.args else signal.SIGINT
+        how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        print(f"stopped by {how} after {len(results['rows'])} of {len(selected)} rows: "
+              f"{out / 'benchmark.md'} has the rows measured" if results["rows"] else
+              f"stopped by {how} before the first row: nothing written", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
     done(f"ideal float32 again: {again:.1f} images/s")
     bar.close()
+    meta.pop("unfinished", None)
     first = meta["ideal"]["float32"]["images_per_s"]
     meta["ideal"]["float32"].update(images_per_s=(first + again) / 2, before=first, after=again)
-    (out / "benchmark.json").write_text(json.dumps(results, indent=1))
-    (out / "benchmark.md").write_text(markdown(results))
+    write_tables(results, out)
     chart(results, out / "benchmark.png")
     print(markdown(results))
     print(f"wrote {out / 'benchmark.md'}, {out / 'benchmark.png'}, {out / 'benchmark.json'}")

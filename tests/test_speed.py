@@ -138,6 +138,86 @@ def test_seed_table_has_the_seed_projects_four_rows(monkeypatch, tmp_path, capsy
     assert "[5/7] DDP (torchrun): 60.0 images/s (0 s); under a minute left" in said  # 2 ideals, 4 rows, the ideal again
 
 
+def test_a_stopped_benchmark_keeps_the_rows_it_measured_and_says_it_is_unfinished(monkeypatch, tmp_path, capsys):
+    """The tables are written after every row, so a run killed at row 3 (SIGKILL, a time limit) leaves rows 1-2;
+    Ctrl-C there ends it with one line and exit status 130, the files saying the run is unfinished."""
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    measure = bench.run_row
+
+    def row_3_interrupted(row, args):
+        written = json.loads((tmp_path / "benchmark.json").read_text()) if (tmp_path / "benchmark.json").exists() \
+            else {"rows": []}
+        if len(written["rows"]) == 2:  # what a kill now would leave: the two rows before
+            raise KeyboardInterrupt
+        return measure(row, args)
+
+    monkeypatch.setattr(bench, "run_row", row_3_interrupted)
+    result = run_main(bench.main, ["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)],
+                      capsys)
+    assert result.returncode == 130
+    assert result.stderr.strip() == f"stopped by Ctrl-C after 2 of 4 rows: {tmp_path / 'benchmark.md'} has the " \
+                                    "rows measured"
+    written = json.loads((tmp_path / "benchmark.json").read_text())
+    assert [r["name"] for r in written["rows"]] == ["DataParallel", "DataParallel + mixed precision"]
+    table = (tmp_path / "benchmark.md").read_text()
+    assert "**Unfinished:** 2 of 4 rows measured when this was written" in table
+    assert "| DataParallel | DataParallel | `dataparallel.py` | 1000.0 | 1.00 |" in table
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmark.json", "benchmark.md"]  # no scratch files
+
+
+def test_sigterm_stops_the_benchmark_as_ctrl_c_does(monkeypatch, tmp_path, capsys):
+    import os
+    import signal
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    measure = bench.run_row
+
+    def terminated_at_row_2(row, args):
+        if row.name == "DataParallel + mixed precision":
+            os.kill(os.getpid(), signal.SIGTERM)  # what kill -TERM does while a row is measured
+        return measure(row, args)
+
+    monkeypatch.setattr(bench, "run_row", terminated_at_row_2)
+    result = run_main(bench.main, ["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)],
+                      capsys)
+    assert result.returncode == 128 + signal.SIGTERM
+    assert result.stderr.strip() == f"stopped by SIGTERM after 1 of 4 rows: {tmp_path / 'benchmark.md'} has the " \
+                                    "rows measured"
+    assert [r["name"] for r in json.loads((tmp_path / "benchmark.json").read_text())["rows"]] == ["DataParallel"]
+
+
+def test_a_row_stopped_with_the_benchmark_gets_sigterm_and_time_to_exit(tmp_path):
+    """Ctrl-C while a row runs: its launcher is sent SIGTERM and waited for, so it can stop its ranks (here: a
+    child that takes 0.5 s to exit on SIGTERM and writes a file as it does), before the KeyboardInterrupt goes on."""
+    import signal
+    import sys
+
+    from benchmarks import run as bench
+    marker = tmp_path / "exited"
+    child = ("import signal, sys, time\n"
+             "def stop(*_):\n    time.sleep(0.5)\n    open(sys.argv[1], 'w').write('cleanly')\n    sys.exit(143)\n"
+             "signal.signal(signal.SIGTERM, stop)\nprint('ready', flush=True)\ntime.sleep(60)\n")
+
+    def ctrl_c(*_):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, ctrl_c)
+    signal.setitimer(signal.ITIMER_REAL, 1.5)  # Ctrl-C 1.5 s into the row
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            bench.run_stoppable([sys.executable, "-c", child, str(marker)], env=None)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert marker.read_text() == "cleanly"
+
+
+def test_a_finished_benchmark_is_not_said_to_be_unfinished(monkeypatch, tmp_path):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
+    assert "Unfinished" not in (tmp_path / "benchmark.md").read_text()
+    assert "unfinished" not in json.loads((tmp_path / "benchmark.json").read_text())["meta"]
+
+
 def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypatch, tmp_path, capsys):
     bench = fake_measurements(monkeypatch, native_bfloat16=False)
     bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
@@ -223,7 +303,7 @@ def test_a_peer_is_read_from_its_epoch_lines(monkeypatch):
     lines = ["GPU available: False, used: False"] + [json.dumps(
         {"epoch": e, "images_per_s": rate, "epoch_time_s": 1.0, "train_loss": 4.6, "world_size": 2,
          "outputs": "float32"}) for e, rate in ((1, 5.0), (2, 30.0), (3, 10.0), (4, 20.0))]
-    monkeypatch.setattr(bench.subprocess, "run", lambda cmd, **kw: CompletedProcess(cmd, 0, "\n".join(lines), ""))
+    monkeypatch.setattr(bench, "run_stoppable", lambda cmd, env: CompletedProcess(cmd, 0, "\n".join(lines), ""))
     args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=4, workers=0)
     (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
     (plain_bf16,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop + bfloat16 autocast"]
