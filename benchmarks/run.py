@@ -192,8 +192,11 @@ def launch(row: Row, nprocs: int) -> list[str]:
 def run_stoppable(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     """subprocess.run(cmd) from the repository's root, its output captured. When the benchmark is stopped
     meanwhile (Ctrl-C, SIGTERM), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s
-    to exit (then SIGKILL): no rank outlives the benchmark or writes into its row's directory once removed."""
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
+    to exit (then SIGKILL): no rank outlives the benchmark or writes into its row's directory once removed.
+    The launcher runs in a session of its own, so that SIGTERM is the one signal it gets: a terminal's Ctrl-C
+    reaching torchrun too would cut short its wait for its ranks."""
+    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate()
         except KeyboardInterrupt:
@@ -274,9 +277,16 @@ def side_by_side(args, extra: list[str]) -> list[dict] | None:
         device = f"cuda:{i}" if args.device == "cuda" else "cpu"
         cmd = [sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--batch-size",
                str(args.batch_size), "--steps", str(args.steps * (args.epochs - 1)), "--warmup", str(args.steps)]
+        # a session of their own: on Ctrl-C they are killed below, with no traceback of theirs on the terminal
         procs.append(subprocess.Popen(cmd + extra, cwd=ROOT, env=threads_env(args.nprocs), stdout=subprocess.PIPE,
-                                      text=True))
-    outputs = [p.communicate()[0] for p in procs]
+                                      text=True, start_new_session=True))
+    try:
+        outputs = [p.communicate()[0] for p in procs]
+    except KeyboardInterrupt:  # nothing of theirs to keep
+        for p in procs:
+            p.kill()
+            p.wait()
+        raise
     if any(p.returncode for p in procs):
         return None
     return [json.loads(out.strip().splitlines()[-1]) for out in outputs]

@@ -211,6 +211,18 @@ def test_a_row_stopped_with_the_benchmark_gets_sigterm_and_time_to_exit(tmp_path
     assert marker.read_text() == "cleanly"
 
 
+def test_a_rows_launcher_is_out_of_reach_of_the_terminals_ctrl_c():
+    """In a session of its own, so that a terminal's Ctrl-C reaches the benchmark alone and the launcher gets the
+    one SIGTERM run_stoppable sends: torchrun given a second signal stops waiting for its ranks."""
+    import os
+    import sys
+
+    from benchmarks import run as bench
+    result = bench.run_stoppable([sys.executable, "-c", "import os; print(os.getsid(0), os.getpgrp())"], env=None)
+    session, group = map(int, result.stdout.split())
+    assert session != os.getsid(0) and group != os.getpgrp()
+
+
 def test_a_finished_benchmark_is_not_said_to_be_unfinished(monkeypatch, tmp_path):
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
     bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
