@@ -29,7 +29,7 @@ With --quick on a CPU without native bfloat16 instructions (where bfloat16 is em
 than float32), the bfloat16 rows, ideal and peak are left out, and the output says so.
 
 Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and benchmark.json; the tables
-after every row, so a run stopped (Ctrl-C, SIGTERM: the row being measured is stopped too) or killed
+after every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP: the row being measured is stopped too) or killed
 keeps the rows it measured, marked unfinished.
 """
 import importlib.util
@@ -574,7 +574,8 @@ def main(argv=None):
         bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
 
     results = {"meta": meta, "rows": []}
-    signal.signal(signal.SIGTERM, stop_as_ctrl_c)  # kill -TERM: stopped as Ctrl-C stops it, the rows so far kept
+    # kill -TERM, a closed terminal: stopped as Ctrl-C stops it (the handlers in place before, back at the end)
+    previous = {signum: signal.signal(signum, stop_as_ctrl_c) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
         for amp in dtypes:
             bar.set_description(f"ideal and peak, {amp or 'float32'}")
@@ -602,8 +603,11 @@ def main(argv=None):
         how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         print(f"stopped by {how} after {len(results['rows'])} of {len(selected)} rows: "
               f"{out / 'benchmark.md'} has the rows measured" if results["rows"] else
-              f"stopped by {how} before the first row: nothing written", file=sys.stderr, flush=True)
+              f"stopped by {how} before any row was measured: nothing written", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
     done(f"ideal float32 again: {again:.1f} images/s")
     bar.close()
     meta.pop("unfinished", None)

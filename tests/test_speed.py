@@ -165,6 +165,20 @@ def test_a_stopped_benchmark_keeps_the_rows_it_measured_and_says_it_is_unfinishe
     assert sorted(p.name for p in tmp_path.iterdir()) == ["benchmark.json", "benchmark.md"]  # no scratch files
 
 
+def test_a_benchmark_stopped_before_any_row_writes_nothing(monkeypatch, tmp_path, capsys):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+
+    def ctrl_c(args, amp):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "ideal", ctrl_c)
+    result = run_main(bench.main, ["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)],
+                      capsys)
+    assert result.returncode == 130
+    assert result.stderr.strip() == "stopped by Ctrl-C before any row was measured: nothing written"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_sigterm_stops_the_benchmark_as_ctrl_c_does(monkeypatch, tmp_path, capsys):
     import os
     import signal
@@ -224,8 +238,12 @@ def test_a_rows_launcher_is_out_of_reach_of_the_terminals_ctrl_c():
 
 
 def test_a_finished_benchmark_is_not_said_to_be_unfinished(monkeypatch, tmp_path):
+    """Nor does it leave its SIGTERM and SIGHUP handlers behind in a process that calls its main()."""
+    import signal
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    handlers = [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)]
     bench.main(["--quick", "--device", "cpu", "--only", "seed", "--output-dir", str(tmp_path)])
+    assert [signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGHUP)] == handlers
     assert "Unfinished" not in (tmp_path / "benchmark.md").read_text()
     assert "unfinished" not in json.loads((tmp_path / "benchmark.json").read_text())["meta"]
 
