@@ -358,7 +358,7 @@ def markdown(results: dict) -> str:
                   "| peak MB / process | TFLOP/s (% of peak) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in results["rows"] if r["table"] == table):
-            what = f"`{r['script']}{' ' + ' '.join(r['flags']) if r['flags'] else ''}`"
+            what = f"`{script_and_flags(r)}`"
             if "images_per_s" not in r:
                 lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | |")
                 continue
@@ -387,20 +387,24 @@ def seed_table(results: dict) -> list[str]:
              "| seed's row | our row | script + flags | s per 50,000-image epoch | speed vs DataParallel |",
              "|---|---|---|---|---|"]
     for seed, r in pairs:
-        what = f"`{r['script']}{' ' + ' '.join(r['flags']) if r['flags'] else ''}`"
+        what = f"`{script_and_flags(r)}`"
         ratio = f"{r['images_per_s'] / first:.2f}" if first else ""
         lines.append(f"| {seed} | {r['name']} | {what} | {EPOCH_IMAGES / r['images_per_s']:.1f} | {ratio} |")
     return lines + [""]
 
 
+def script_and_flags(r: dict) -> str:
+    """A row's script and its flags, as the tables show them."""
+    return " ".join([r["script"], *r["flags"]])
+
+
 def program(r: dict, n: int) -> str:
     """How a row of the peers table was started, as one would type it."""
-    extra = f" {' '.join(r['flags'])}" if r["flags"] else ""
     if r["script"] == BARE_STEP:
-        return f"`{BARE_STEP}{extra}`, {n} side by side"
-    if r.get("start") == "spawn":
-        return f"`python {r['script']} --nprocs {n}{extra}`"
-    return f"`torchrun --nproc_per_node={n} {' '.join(launch_target(r['script'], Path()))}{extra}`"
+        return f"`{script_and_flags(r)}`, {n} side by side"
+    launcher = (["python", r["script"], "--nprocs", str(n)] if r.get("start") == "spawn" else
+                ["torchrun", f"--nproc_per_node={n}", *launch_target(r["script"], Path())])
+    return f"`{' '.join(launcher + r['flags'])}`"
 
 
 def peers_table(results: dict) -> list[str]:
@@ -435,8 +439,7 @@ def peers_table(results: dict) -> list[str]:
     ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
     for r in ours:
         if (peer := beside[r["name"]]) in ran:
-            flags_ = f" {' '.join(r['flags'])}" if r["flags"] else ""
-            lines.append(f"`{r['script']}{flags_}` ({r['name']}) runs at {r['images_per_s'] / ran[peer]:.2f}x the "
+            lines.append(f"`{script_and_flags(r)}` ({r['name']}) runs at {r['images_per_s'] / ran[peer]:.2f}x the "
                          f"{peer}.")
     best = max((r for r in results["rows"] if r["table"] != "peer" and "images_per_s" in r),
                key=lambda r: r["images_per_s"], default=None)
