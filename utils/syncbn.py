@@ -91,7 +91,7 @@ class _SyncBatchNormFunction(torch.autograd.Function):
         y = torch.batch_norm(x, weight_, bias_, mean, var, False, 0.0, eps, False)
         ctx.save_for_backward(x, weight_, mean, var, invstd)
         ctx.group, ctx.eps, ctx.weight_dtype = group, eps, None if weight is None else weight.dtype
-        ctx.count = count.item()
+        ctx.count = count  # a tensor: read back to Python, it would cost a host read in every layer and step
         count = count.float().view(1)
         ctx.mark_non_differentiable(mean, var, count)
         return y, mean, var, count
