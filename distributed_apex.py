@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, metrics, models, precision, techniques
+from utils import cuda_graphs, data, flags, launch, metrics, models, precision, techniques
 from utils.errors import exit_on_error
 from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
@@ -67,6 +67,8 @@ def train(args, env, net) -> int:
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
+    # --cuda-graphs: steps replayed from a CUDA graph; made before DDP, which must be built on its stream
+    run_epoch = cuda_graphs.CapturedSteps(train_one_epoch, env.device) if args.cuda_graphs else train_one_epoch
     # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                 **techniques.ddp_options(args))
@@ -88,7 +90,7 @@ def train(args, env, net) -> int:
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, net, amp_dtype, scaler)
+        run_epoch(model, criterion, optimizer, batches, env.device, net, amp_dtype, scaler)
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype, stop=net.stop_received)
         if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit

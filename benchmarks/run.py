@@ -5,6 +5,7 @@
     python -m benchmarks.run --only "DDP (torchrun),no SyncBatchNorm"   # the rows whose name contains these
     python -m benchmarks.run --quick --only seed        # the seed's four rows: DataParallel and DDP, +- mixed precision
     python -m benchmarks.run --quick --only peers       # DDP beside a plain tutorial loop and Lightning
+    python -m benchmarks.run --only others              # every row that seed and peers leave out
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
@@ -112,6 +113,10 @@ def rows(device: str) -> list[Row]:
         Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
             ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
              "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),
+        # the whole step replayed from one CUDA graph (utils/cuda_graphs.py), with and without SyncBatchNorm
+        *[Row(f"DDP + bfloat16, CUDA graphs{name}", "distributed_apex.py", "torchrun",
+              ["--amp-dtype", "bfloat16", "--loader", "device", "--cuda-graphs", *extra], amp="bfloat16", gpu_only=True)
+          for name, extra in (("", []), (", no SyncBatchNorm", ["--no-sync-bn"]))],
         # the techniques: each changes one flag of "DDP (torchrun)"
         Row("a host sync every step", "distributed.py", "torchrun", ["--print-freq", "1"], "technique"),
         Row("gradients copied into buckets", "distributed.py", "torchrun", ["--no-gradient-as-bucket-view"],
@@ -146,6 +151,9 @@ def ours_beside_peers(device: str) -> dict[str, str]:
     """The rows of ours that the peers table puts beside the peers, each with the plain loop of its precision;
     on the CPU, where the peers keep per-rank BatchNorm, also our rows without SyncBatchNorm, which are like them."""
     pairs = {"DDP (torchrun)": PLAIN_LOOP, "DDP + bfloat16 autocast": PLAIN_LOOP_BF16}
+    if device == "cuda":  # our fastest path, in bfloat16
+        pairs |= {"DDP + bfloat16, CUDA graphs": PLAIN_LOOP_BF16,
+                  "DDP + bfloat16, CUDA graphs, no SyncBatchNorm": PLAIN_LOOP_BF16}
     if device == "cpu":
         pairs |= {"no SyncBatchNorm": PLAIN_LOOP, "DDP + bfloat16 autocast, no SyncBatchNorm": PLAIN_LOOP_BF16}
     return pairs
@@ -153,9 +161,13 @@ def ours_beside_peers(device: str) -> dict[str, str]:
 
 def keyword_rows(device: str) -> dict[str, set[str]]:
     """The row names that a word of --only stands for: seed, the seed table's four; peers, the peers table's
-    rows and the rows of ours they are compared with (ours_beside_peers)."""
-    return {"seed": set(seed_rows(device).values()),
-            "peers": {r.name for r in rows(device) if r.table == "peer"} | set(ours_beside_peers(device))}
+    rows and the rows of ours they are compared with (ours_beside_peers); others, every row those two leave out,
+    with DDP (torchrun), which the technique rows are compared with. "seed,peers" then "others": every row, in
+    two runs (on a GPU, each well within a 10-minute limit: docs/speed.md)."""
+    seed = set(seed_rows(device).values())
+    peers = {r.name for r in rows(device) if r.table == "peer"} | set(ours_beside_peers(device))
+    others = {r.name for r in rows(device)} - seed - peers | {"DDP (torchrun)"}
+    return {"seed": seed, "peers": peers, "others": others}
 
 
 def importable(module: str) -> bool:
@@ -509,7 +521,8 @@ def main(argv=None):
                              f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
                         help="run only the rows whose name contains this text (several: separated by commas; "
-                             "seed: the seed table's four rows; peers: the peers table and our rows beside it)")
+                             "seed: the seed table's four rows; peers: the peers table and our rows beside it; "
+                             "others: the rows those two leave out, with DDP (torchrun))")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":

@@ -421,3 +421,18 @@ def test_fsdp_profile_bad_input_is_one_line(argv):
         pytest.skip("a GPU is visible")
     result = run([sys.executable, "-m", "benchmarks.fsdp_profile", *argv])
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+
+
+def test_the_cuda_graph_rows_stand_beside_the_bfloat16_peers_and_two_runs_cover_every_row():
+    """On a GPU: the graph path's two rows beside the plain loop in bfloat16; "seed,peers" and then "others" name
+    every row (docs/speed.md: the whole GPU table in two calls), "others" with DDP (torchrun) to compare with."""
+    from benchmarks import run as bench
+    gpu = {r.name: r for r in bench.rows("cuda")}
+    for name in ("DDP + bfloat16, CUDA graphs", "DDP + bfloat16, CUDA graphs, no SyncBatchNorm"):
+        row = gpu[name]
+        assert row.gpu_only and row.amp == "bfloat16" and {"--cuda-graphs", "device"} <= set(row.flags)
+        assert bench.ours_beside_peers("cuda")[name] == bench.PLAIN_LOOP_BF16
+        assert name not in bench.ours_beside_peers("cpu")
+    words = bench.keyword_rows("cuda")
+    assert set(gpu) == words["seed"] | words["peers"] | words["others"] and "DDP (torchrun)" in words["others"]
+    assert not (words["seed"] | words["peers"]) & (words["others"] - {"DDP (torchrun)"})

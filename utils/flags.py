@@ -91,7 +91,7 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
             help="free each stage's gathered weights after its forward and gather them again for backward (least "
                  "memory, like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather "
                  "fewer per stage and step, like ZeRO-2)")
-    techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
+    parser.checks += techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
 
 
 def add_torchrun_flags(parser: Parser) -> None:

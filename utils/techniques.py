@@ -1,5 +1,6 @@
 """The speed techniques the scripts can switch on, each behind a flag: DDP's settings, gradient
-compression hooks, channels-last memory, torch.compile, the optimizer's step implementation.
+compression hooks, channels-last memory, torch.compile, the optimizer's step implementation, and (in a module of
+its own, utils/cuda_graphs.py) the whole step replayed from a CUDA graph.
 
 Each is torch's own part; this module only maps the flags onto it. Without a flag DDP runs as torch ships
 it (no communication hook).
@@ -10,14 +11,16 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
+from utils import cuda_graphs
 from utils.errors import UsageError
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 
 
-def add_flags(group, ddp: bool) -> None:
-    """The technique flags, into an argparse group; `ddp` adds DDP's (DataParallel and FSDP have none of them)."""
+def add_flags(group, ddp: bool) -> list:
+    """The technique flags, into an argparse group; `ddp` adds DDP's (DataParallel and FSDP have none of them),
+    with --cuda-graphs. Returns the parser checks of the flags added."""
     add = group.add_argument
     on_off = argparse.BooleanOptionalAction
     add("--channels-last", action=on_off, default=False,
@@ -26,9 +29,9 @@ def add_flags(group, ddp: bool) -> None:
         help="torch.compile the model (the first steps pay for compilation; needs a C++ compiler on the CPU)")
     add("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
         help="how SGD updates the weights: one tensor at a time (for-loop), batched (foreach), one fused "
-             "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU)")
+             "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU), fused with --cuda-graphs")
     if not ddp:
-        return
+        return []
     add("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
         help="DDP gradient bucket size: one all-reduce per bucket, started as soon as the bucket is full; "
              "default: torch's (25 MB, and 1 MB for the first bucket)")
@@ -39,6 +42,8 @@ def add_flags(group, ddp: bool) -> None:
     add("--comm-hook", choices=COMM_HOOKS, default="none",
         help="gradient compression before the all-reduce: none (float32), fp16/bf16 (half the bytes), "
              "powersgd (low-rank, from the second epoch on; for slow links)")
+    cuda_graphs.add_flag(group)
+    return [cuda_graphs.why_not]
 
 
 def positive_float(text: str) -> float:
@@ -80,8 +85,10 @@ def compile_if_asked(model: nn.Module, args) -> None:
 
 
 def optimizer_options(args, optimizer_class) -> dict:
-    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl."""
+    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl (auto with --cuda-graphs: fused)."""
     impl = getattr(args, "optimizer_impl", "auto")
+    if impl == "auto" and getattr(args, "cuda_graphs", False):
+        return {"fused": True}  # the step that reads the learning rate from a tensor (utils/cuda_graphs.py)
     if impl == "auto":
         return {}
     if optimizer_class is not torch.optim.SGD:
