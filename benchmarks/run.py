@@ -51,6 +51,7 @@ from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
 from utils import flags, precision
+from utils.spawn import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
@@ -64,7 +65,8 @@ PLAIN_LOOP, PLAIN_LOOP_BF16 = "plain tutorial DDP loop", "plain tutorial DDP loo
 class Row:
     name: str
     script: str
-    start: str  # python (one process), torchrun, spawn, or side by side (N bare-step processes, no process group)
+    start: str  # python (one process), torchrun, spawn, side by side (N bare-step processes, no process group), or
+    # replica groups (a torchft lighthouse and N torchruns of one process: distributed_live_recovery.py)
     flags: list = field(default_factory=list)
     table: str = "method"  # method, technique or peer
     amp: str | None = None  # the autocast dtype, which picks the ideal it is compared with
@@ -93,6 +95,10 @@ def rows(device: str) -> list[Row]:
             ["--opt-level", "O1", "--amp-dtype", mixed], amp=mixed),
         Row("DDP (torchrun)", "distributed.py", "torchrun"),
         Row("DDP (spawn)", "distributed_mp.py", "spawn"),
+        # a replica group per process under a torchft lighthouse: each step's quorum and commit (compare with
+        # "no SyncBatchNorm": a group of one process has no BatchNorm to synchronise)
+        Row("DDP, live recovery (torchft, a replica group per process)", "distributed_live_recovery.py",
+            "replica groups", needs="torchft"),
         # the data path users run: the other rows load in the rank on the CPU (--workers 0, the cores compute)
         *([] if gpu else [Row(f"DDP, {WORKERS} DataLoader workers ({start})", script, start, ["--workers", WORKERS])
                           for start, script in (("torchrun", "distributed.py"), ("spawn", "distributed_mp.py"))]),
@@ -195,8 +201,9 @@ def launch_target(script: str, root: Path = ROOT) -> list[str]:
 
 def launch(row: Row, nprocs: int) -> list[str]:
     path = str(ROOT / row.script)
-    if row.start == "torchrun":
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nprocs}",
+    if row.start in ("torchrun", "replica groups"):  # replica groups: one process per group's torchrun
+        per_launcher = 1 if row.start == "replica groups" else nprocs
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_launcher}",
                 *launch_target(row.script)]
     return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
 
@@ -221,6 +228,42 @@ def run_stoppable(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
+def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.CompletedProcess:
+    """`cmd` (distributed_live_recovery.py under torchrun) as `groups` replica groups of one process each, side by
+    side, under a torchft lighthouse of their own on a free port. A stop of the benchmark (Ctrl-C, SIGTERM) stops
+    them as run_stoppable stops its launcher. The first group that failed gives the result's status and stderr."""
+    port = free_port()
+    lighthouse = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
+                                   "--min_replicas", "1", "--bind", f"[::]:{port}"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
+    procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups), "--lighthouse",
+                                     f"http://localhost:{port}"], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
+                              stdout=subprocess.DEVNULL, stderr=errors[g], text=True, start_new_session=True)
+             for g in range(groups)]
+    try:
+        for proc in procs:
+            proc.wait()
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        raise
+    finally:
+        lighthouse.kill()
+        lighthouse.wait()
+    failed = next((g for g, proc in enumerate(procs) if proc.returncode), 0)
+    errors[failed].seek(0)
+    said = errors[failed].read()
+    for error in errors:
+        error.close()
+    return subprocess.CompletedProcess(cmd, procs[failed].returncode, "", said)
+
+
 def threads_env(processes: int) -> dict:
     """On the CPU each process gets an equal share of the cores, so every row uses all of them."""
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
@@ -240,7 +283,11 @@ def run_row(row: Row, args) -> dict:
             "--workers", str(args.workers), "--device", args.device, "--print-freq", "1000000",
             "--output-dir", out] + row.flags
         started = time.perf_counter()
-        result = run_stoppable(cmd, threads_env(processes))
+        if row.start == "replica groups":
+            processes = args.nprocs
+            result, out = run_replica_groups(cmd, args.nprocs, threads_env(processes)), Path(out, "replica_group_0")
+        else:
+            result = run_stoppable(cmd, threads_env(processes))
         if result.returncode != 0:
             return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:200],
                     "command": " ".join(cmd)}

@@ -22,6 +22,7 @@ every rank calls it at the same line of the script: moved onto one rank's path, 
         net.save(epoch + 1)
     return net.finish()
 """
+import copy
 import importlib.util
 import multiprocessing
 import os
@@ -33,6 +34,7 @@ from safety_net import metrics_log, stopping
 from safety_net.progress import EpochProgress
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from utils import flags
+from utils.errors import UsageError
 
 
 class SafetyNet:
@@ -52,6 +54,7 @@ class SafetyNet:
         self.env = self.checkpoint = self.log = self.progress = None
         self.start_at = (0, 0)  # (epoch, step) the run continues from
         self.steps_per_epoch = 0
+        self.progress_note = None  # note_in_progress_lines
 
     @staticmethod
     def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
@@ -158,6 +161,38 @@ class SafetyNet:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
         return self.start_at[0]
 
+    def state_for_a_peer(self) -> dict:
+        """What a live replica group hands one that heals from it (distributed_live_recovery.py): every part given
+        to resume() as a checkpoint holds it, with the epoch and step this process has reached. Local, no
+        collective: torchft calls it from a thread of its own while the training loop waits for the quorum. A copy:
+        the peer reads it while this group's next forward updates BatchNorm's statistics in place."""
+        epoch, step = (self.progress.epoch, self.progress.step) if self.progress else self.start_at
+        weights = checkpoints.unwrap(self.checkpoint.parts["model"]).state_dict()
+        return copy.deepcopy(self.checkpoint.state(weights, epoch, step, epoch_loss=(0.0, 0.0)))
+
+    def take_state_from_a_peer(self, state: dict) -> None:
+        """Every part from a live replica group's state_for_a_peer(), and its place in the run: the epoch loop
+        starts there (epoch_to_start). A peer that trains another run (other flags) is a UsageError."""
+        for name, value in self.options.run.items():
+            if state["run"].get(name, value) != value:
+                flag = "--" + name.replace("_", "-")
+                raise UsageError(f"the live replica groups train with {flag} {state['run'][name]}, this one with "
+                                 f"{value}: start every replica group with the same flags")
+        self.checkpoint.restore(state, "a live replica group's state")
+        self.checkpoint.epoch_loss = (0.0, 0.0)  # the epoch's loss so far is the peer's: this group counts its own
+        self.start_at = (state["epoch"], state["step"])
+        if self.env.is_main:
+            print(f"healed from a live replica group: its weights, optimizer and schedule at epoch "
+                  f"{state['epoch'] + 1}, step {state['step']}", flush=True)
+
+    def epoch_to_start(self) -> int:
+        """The epoch the loop starts at: the checkpoint's (resume), or the live group's a heal took (above)."""
+        return self.start_at[0]
+
+    def note_in_progress_lines(self, note) -> None:
+        """note(): a few words put at the end of every progress line (called only when one is printed)."""
+        self.progress_note = note
+
     def start_epoch(self, epoch: int) -> int:
         """Starts the epoch's clock and loss; returns the step to start from: 0, or on the epoch a mid-epoch
         checkpoint was written in, the step it reached (the loader leaves out the batches before it)."""
@@ -165,7 +200,8 @@ class SafetyNet:
         self.progress = EpochProgress(steps=self.steps_per_epoch, epoch=epoch, epochs=self.options.epochs, env=self.env,
                                       global_batch=self.options.batch_size, print_freq=self.print_freq,
                                       lr=self.options.lr,
-                                      start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log)
+                                      start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log,
+                                      note=self.progress_note)
         return start_step
 
     def step_done(self, loss: torch.Tensor) -> bool:
@@ -186,6 +222,11 @@ class SafetyNet:
         """Whether this process got a stop signal: a local check, for loops every rank may leave at its own
         step (the evaluation); all_ranks_agree_to_stop() then makes it everyone's."""
         return bool(self.stop.signum or self.stop.received)
+
+    def stop_agreed(self) -> bool:
+        """Whether every rank knew of a stop signal at the last step (step_done returned True): local, no collective,
+        the same on every rank; the epoch's loop was cut short there."""
+        return bool(self.stop.signum)
 
     def all_ranks_agree_to_stop(self) -> bool:
         """Every rank (collective: an all-reduce of the stop flag): whether any rank got a stop signal."""

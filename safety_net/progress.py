@@ -19,10 +19,11 @@ class EpochProgress:
     carries on the epoch's loss from the checkpoint (`epoch_loss`: the (sum, count) saved with it)."""
 
     def __init__(self, *, steps: int, epoch: int, epochs: int, env, global_batch: int, print_freq: int, lr: float,
-                 start_step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0), log=None):
+                 start_step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0), log=None, note=None):
         self.env, self.print_freq, self.lr = env, print_freq, lr  # lr: named when the run diverges
         self.total, self.step, self.epoch, self.epochs = steps, start_step, epoch, epochs
         self.global_batch, self.log = global_batch, log  # log: metrics.MetricsLog, for TensorBoard
+        self.note = note  # note(): words at the end of each progress line
         loss_sum, count = epoch_loss if start_step else (0.0, 0.0)
         # each rank carries 1/W of the saved totals, so the epoch's all-reduce adds them once
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
@@ -59,11 +60,12 @@ class EpochProgress:
             if self.log:
                 self.log.train_loss(self.epoch, self.step, step_loss)
             rate = self.recorded * self.global_batch / (time.perf_counter() - self.start)
+            note = f", {self.note()}" if self.note else ""
             if self.bar:
-                self.bar.set_postfix(loss=f"{step_loss:.4f}", img_s=f"{rate:.0f}")
+                self.bar.set_postfix_str(f"loss={step_loss:.4f}, img_s={rate:.0f}{note}")
             else:
                 print(f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total} "
-                      f"loss {step_loss:.4f} {rate:.0f} img/s", flush=True)
+                      f"loss {step_loss:.4f} {rate:.0f} img/s{note}", flush=True)
 
     def check_finite(self, loss: float) -> None:
         """Divergence ends the run: NaN or infinite weights would only be saved over a good checkpoint."""

@@ -10,6 +10,8 @@ from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run, 
 
 from utils import techniques
 
+LIVE_RECOVERY = "DDP, live recovery (torchft, a replica group per process)"
+
 
 @pytest.mark.slow
 def test_exact_ddp_settings_give_the_same_weights_bit_for_bit(runs):
@@ -88,16 +90,19 @@ def test_fused_optimizer_impl_needs_torch_sgd():
 
 @pytest.mark.slow
 def test_benchmark_writes_table_chart_and_numbers(tmp_path):
-    """One row, one timed step: the plumbing of benchmarks.run, not a speed."""
-    result = check(run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", "DDP (torchrun)",
+    """Two rows, one timed step: the plumbing of benchmarks.run, not a speed. The second, live recovery, runs two
+    replica groups of one process under a torchft lighthouse of its own, and reads group 0's metrics."""
+    result = check(run([sys.executable, "-m", "benchmarks.run", "--quick", "--only", "DDP (torchrun),live recovery",
                         "--steps", "1", "--batch-size", "4", "--output-dir", str(tmp_path)]))
     results = json.loads((tmp_path / "benchmark.json").read_text())
-    (row,) = results["rows"]
-    assert row["processes"] == 2 and row["images_per_s"] > 0
+    assert [row["name"] for row in results["rows"]] == ["DDP (torchrun)", LIVE_RECOVERY]
+    for row in results["rows"]:
+        assert row["processes"] == 2 and row["images_per_s"] > 0, row
     assert results["meta"]["ideal"]["float32"]["images_per_s"] > 0
     assert 3.2e9 < results["meta"]["flops_per_image"] < 3.4e9  # ResNet-18 at 32x32, forward + backward
     table = (tmp_path / "benchmark.md").read_text()
     assert "| DDP (torchrun) | `distributed.py` | 2 |" in table and table in result.stdout
+    assert f"| {LIVE_RECOVERY} | `distributed_live_recovery.py` | 2 |" in table
     assert (tmp_path / "benchmark.png").read_bytes()[:4] == b"\x89PNG"
 
 

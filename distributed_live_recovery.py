@@ -1,0 +1,148 @@
+"""DDP that trains on when a replica group dies, and heals its replacement from a live group (torchft).
+
+The job is several replica groups, each a torchrun of its own (one or more processes); a lighthouse says at
+each step which groups are alive (the quorum), and the gradients are averaged over those. A group that dies
+costs the others one step; started again, it copies the weights, optimizer and schedule of a live group and
+trains on with them, without a restart of the others and without reading a checkpoint. ResNet-18 on CIFAR-100.
+
+    torchft_lighthouse --min_replicas 1 &                                          # the job's coordinator, first
+    REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=2 distributed_live_recovery.py   # one group, 2 GPUs
+    REPLICA_GROUP_ID=1 torchrun --standalone --nproc_per_node=2 distributed_live_recovery.py   # another group
+    python examples/live_recovery_demo.py                 # all of it on this machine's CPU: a group killed, healed
+"""
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from safety_net import SafetyNet
+from utils import data, fault_tolerance, flags, launch, metrics, models, techniques
+from utils.errors import exit_on_error
+from utils.syncbn import CpuSyncBatchNorm
+
+try:
+    import torchft  # PyTorch's fault-tolerance library (pip install torchft), needed by this script only
+except ImportError:
+    torchft = None  # the flags' check says so in one line
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
+    flags.add_shared_flags(parser)
+    SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
+    fault_tolerance.add_flags(parser)  # --lighthouse, --replica-group, --replica-groups, --min-replica-groups
+    args = flags.parse(parser, argv)
+    # each replica group writes only its own files: checkpoints, metrics and lock in a folder of its own
+    args.output_dir = os.path.join(args.output_dir, f"replica_group_{args.replica_group}")
+    return args
+
+
+def train_one_epoch(model, criterion, optimizer, loader, device, net):
+    """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
+    model.train()
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        loss = criterion(model(images), targets)
+        loss.backward()  # averaged within the group, then over the quorum's groups (a dead one: not committed)
+        optimizer.step()  # torchft: steps only if the step is committed (every group of the quorum sent its part)
+        if net.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+            return
+        # torchft: the next step's quorum, formed here, before the next batch is read: which groups are alive
+        optimizer.zero_grad(set_to_none=True)
+
+
+def train(args, env, net) -> int:
+    batch = flags.per_rank_batch(args.batch_size, env.world_size * args.replica_groups)  # all groups' processes
+    train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
+    # each epoch a seeded shuffle of the training set, dealt to the processes of all groups in turn: process p
+    # of group g takes the shuffle's k, k+W, ... with k = g * (its group's size) + p. While a group is down, its
+    # share is not trained: the steps go on with the live groups' shares (torchft's sampler says the same)
+    sampler = torchft.DistributedSampler(train_set, replica_rank=args.replica_group,
+                                         num_replica_groups=args.replica_groups, group_rank=env.rank,
+                                         num_replicas=env.world_size, seed=args.seed, drop_last=True)
+    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
+    model = model.to(env.device, memory_format=techniques.memory_format(args))
+    if not args.no_sync_bn:  # BatchNorm statistics over this replica group's batch (its own process group)
+        sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
+        model = sync_bn.convert_sync_batchnorm(model)
+    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json (no lighthouse)
+        net.load_weights(model)
+        net.write_eval(metrics.evaluate(model, test_loader, env.device))
+        return net.finish()
+    # torchft: this group's manager. Each step it asks the lighthouse which groups are alive (the quorum),
+    # averages over them, and hands a group that joins behind the others this one's state to heal it
+    manager = torchft.Manager(
+        pg=torchft.ProcessGroupNCCL() if env.device.type == "cuda" else torchft.ProcessGroupGloo(),  # between groups
+        min_replica_size=args.min_replica_groups, replica_id=str(args.replica_group), lighthouse_addr=args.lighthouse,
+        state_dict=net.state_for_a_peer,  # the weights, optimizer, schedule and progress of resume() below
+        load_state_dict=net.take_state_from_a_peer,  # a group behind the live ones takes theirs
+        use_async_quorum=False,  # heal before a step, never within one: the loop starts at the state's progress
+        init_sync=False,  # every group builds the same weights from --seed: nothing to copy at the first step
+        **fault_tolerance.store_of_this_group(), **fault_tolerance.timeouts(env))
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward, within this group;
+    # find_unused_parameters keeps DDP's buckets as built (torchft's own setting), the same in every group
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
+                find_unused_parameters=True, **techniques.ddp_options(args))
+    # torchft: the gradients averaged within the group, then over the quorum's groups by the manager
+    model.register_comm_hook(manager, fault_tolerance.average_in_group_then_across_groups)
+    techniques.compile_if_asked(model, args)
+    criterion = nn.CrossEntropyLoss()
+    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
+    net.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
+    # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step, and
+    # the manager's count of committed steps, by which the quorum tells which group is behind)
+    net.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
+               steps_per_epoch=train_loader.steps)
+    # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
+    # state (state_dict above) and starts at that group's epoch and step
+    optimizer.zero_grad(set_to_none=True)
+    for epoch in range(net.epoch_to_start(), args.epochs):
+        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
+        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
+        train_one_epoch(model, criterion, optimizer, batches, env.device, net)
+        if not net.stop_agreed():  # torchft: every group of the quorum, after its epoch's last step (a collective)
+            fault_tolerance.average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
+        # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
+        results = metrics.evaluate(model.module, test_loader, env.device, stop=net.stop_received)
+        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return net.save_stopped_run()
+        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        scheduler.step()
+        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return net.finish()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
+    with exit_on_error():
+        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+        fault_tolerance.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
+        env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
+                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
+        net.arm(env)
+        try:
+            status = train(args, env, net)
+        finally:
+            dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,207 @@
+"""distributed_live_recovery.py (torchft): a replica group killed outright while another trains on, healed from it
+when started again, all ending on the same weights bit for bit; a stop signal to every group and the same
+commands again; and each bad input in one line."""
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+from conftest import ROOT, TINY, launcher, run, run_main, subprocess_env
+from processes import Run, process_tree
+
+pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
+
+import distributed_live_recovery  # noqa: E402
+from utils import fault_tolerance  # noqa: E402
+from utils.spawn import free_port  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "examples"))
+from live_recovery_demo import lighthouse_program  # noqa: E402
+
+SCRIPT = "distributed_live_recovery.py"
+
+
+@pytest.fixture
+def lighthouse():
+    """A torchft lighthouse on a free port, as the README starts one; its address."""
+    port = free_port()
+    process = subprocess.Popen([lighthouse_program(), "--min_replicas", "1", "--bind", f"[::]:{port}",
+                                "--heartbeat_timeout_ms", "2000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    address = f"http://localhost:{port}"
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            fault_tolerance.live_replica_groups(address)
+            break
+        except Exception:
+            assert time.monotonic() < deadline, "the lighthouse did not start"
+            time.sleep(0.1)
+    yield address
+    process.kill()
+    process.wait()
+
+
+def final_weights(output_dir, groups: int) -> list[dict]:
+    return [torch.load(output_dir / f"replica_group_{g}" / "checkpoint.pt", map_location="cpu", weights_only=True)
+            for g in range(groups)]
+
+
+def assert_same_weights(states: list[dict]) -> None:
+    for g, state in enumerate(states[1:], 1):
+        first = states[0]["model"]
+        differing = [name for name, tensor in state["model"].items() if not torch.equal(tensor, first[name])]
+        assert not differing, f"replica group {g} differs from group 0 in {differing[:5]}"
+        assert state["manager"] == states[0]["manager"], (state["manager"], states[0]["manager"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_killed_group_heals_from_the_live_one_and_all_end_on_the_same_weights(tmp_path):
+    """The demo command: group 1 SIGKILLed (its torchrun and its process) at step 10; group 0's steps go on with
+    1 of 2 groups while it is down; started again, group 1 heals from group 0; both end bit for bit equal."""
+    out = tmp_path / "demo"
+    demo = [sys.executable, str(ROOT / "examples" / "live_recovery_demo.py"), "--port", str(free_port()),
+            "--kill-at-step", "10", "--down-for-steps", "10", "--output-dir", str(out), "--", "--train-samples", "640"]
+    result = subprocess.run(demo, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
+    said = result.stdout
+    assert result.returncode == 0, f"exit {result.returncode}\n{said[-4000:]}\n{result.stderr[-2000:]}"
+    killed, restarted = said.index("[demo] SIGKILL to replica group 1"), said.index("[demo] starting replica group 1")
+    alone = [int(e) * 40 + int(s) for e, s in re.findall(r"\[group 0\] epoch (\d+)/2 step (\d+)/40 .*, 1 of 2 replica",
+                                                          said[killed:restarted])]
+    assert len(alone) >= 2 and alone == sorted(alone) and alone[-1] - alone[0] >= 5, said[killed:restarted]
+    assert re.search(r"\[group 1\] healed from a live replica group: .* at epoch 1, step \d+", said[restarted:]), said
+    assert "2 of 2 replica groups" in said[said.index("[group 1] healed"):], said
+    assert_same_weights(final_weights(out, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_stop_signal_to_every_group_leaves_checkpoints_the_same_commands_continue(lighthouse, tmp_path):
+    """SIGTERM to both groups' torchrun: each writes its checkpoint and exits 143; the same two commands continue
+    (a group behind the other heals from it) and end on the same weights."""
+    out = tmp_path / "run"
+    flags = TINY + ["--train-samples", "160", "--batch-size", "8", "--epochs", "2", "--lighthouse", lighthouse,
+                    "--output-dir", str(out)]
+    commands = [launcher("torchrun", SCRIPT, 1) + flags + ["--replica-group", str(g)] for g in (0, 1)]
+    env = subprocess_env(RUST_LOG="warn")
+    runs = [Run(command, env=env) for command in commands]
+    for started in runs:
+        started.wait_for("epoch 1/2 step 8/20")
+    for started in runs:
+        started.proc.send_signal(15)
+    for g, started in enumerate(runs):
+        status, _ = started.finish(timeout=60)
+        assert status == 1 and "stopped by SIGTERM" in started.output, f"group {g}: exit {status}\n{started.output}"
+    continued = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                  text=True) for command in commands]
+    said = [process.communicate(timeout=200)[0] for process in continued]
+    for g, (process, text) in enumerate(zip(continued, said, strict=True)):
+        assert process.returncode == 0, f"group {g}: exit {process.returncode}\n{text[-3000:]}"
+        assert f"resuming from {out}/replica_group_{g}/checkpoint.pt: epoch 1" in text, text
+    assert_same_weights(final_weights(out, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_ctrl_c_stops_the_demo_and_leaves_no_process(tmp_path):
+    """SIGINT to the demo (as Ctrl-C in its terminal): every group stops at a step and writes its checkpoint, the
+    lighthouse goes too, the demo exits 130."""
+    out = tmp_path / "demo"
+    demo = Run([sys.executable, str(ROOT / "examples" / "live_recovery_demo.py"), "--port", str(free_port()),
+                "--kill-at-step", "1000", "--output-dir", str(out)])
+    demo.wait_for("[group 1] epoch 1/2 step 5/60", timeout=120)
+    started = process_tree(demo.proc.pid)
+    assert len(started) >= 5, started  # the lighthouse, and each group's torchrun and process
+    demo.proc.send_signal(signal.SIGINT)
+    status, _ = demo.finish(timeout=60, started=started)
+    assert status == 130 and "[demo] SIGINT: stopping every group" in demo.output, demo.output
+    for g in (0, 1):
+        assert f"[group {g}] stopped by SIGTERM at epoch 1" in demo.output, demo.output
+        assert (out / f"replica_group_{g}" / "checkpoint.pt").exists()
+
+
+def test_bad_flags_are_one_line(capsys, tmp_path):
+    cases = {("--replica-group", "2", "--replica-groups", "2"): "--replica-group 2 is not below --replica-groups 2",
+             ("--min-replica-groups", "3"): "--min-replica-groups 3 is more than --replica-groups 2",
+             ("--lighthouse", "localhost:29510"): "is not an address like http://host:29510",
+             ("--comm-hook", "fp16"): "--comm-hook: the gradients already leave through torchft's hook",
+             ("--static-graph",): "--static-graph: DDP would rebuild its buckets"}
+    for flags, words in cases.items():
+        said = run_main(distributed_live_recovery.main, TINY + ["--output-dir", str(tmp_path / "out"), *flags], capsys)
+        assert said.returncode == 2 and words in said.stderr, (flags, said)
+        assert len(said.stderr.strip().splitlines()) == 1, said.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_no_lighthouse_is_one_line(capsys, tmp_path):
+    port = free_port()
+    said = run_main(distributed_live_recovery.main, TINY + ["--output-dir", str(tmp_path), "--device", "cpu",
+                                                            "--lighthouse", f"http://127.0.0.1:{port}"], capsys)
+    assert said.returncode == 2, said
+    assert said.stderr.strip().endswith(f"error: no lighthouse answers at "
+                                f"http://127.0.0.1:{port} ([Errno 111] Connection refused); start one first: "
+                                "torchft_lighthouse --min_replicas 1 --bind [::]:29510"), said.stderr
+
+
+def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, monkeypatch):
+    """A live group 1 heartbeats to the lighthouse: a second group 1 is refused, group 0 is not."""
+    from torchft._torchft import LighthouseClient
+
+    client = LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=5))
+    beating = threading.Event()
+    beating.set()
+
+    def heartbeat():
+        while beating.is_set():
+            client.heartbeat("1:4b1d")
+            time.sleep(0.2)
+    threading.Thread(target=heartbeat, daemon=True).start()
+    try:
+        deadline = time.monotonic() + 5
+        while fault_tolerance.live_replica_groups(lighthouse) != {1}:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        monkeypatch.setattr(fault_tolerance, "HEARTBEATS_OVERDUE_S", 1.0)
+        said = run_main(distributed_live_recovery.main, TINY + ["--output-dir", str(tmp_path), "--device", "cpu",
+                                                                "--lighthouse", lighthouse, "--replica-group", "1"],
+                        capsys)
+        assert said.returncode == 2, said
+        assert said.stderr.strip().endswith(f"error: replica group 1 is already training (the "
+                                    f"lighthouse at {lighthouse} has its heartbeats): give each group its own "
+                                    "--replica-group"), said.stderr
+        fault_tolerance.check_lighthouse(distributed_live_recovery.parse_args(["--lighthouse", lighthouse]))
+    finally:
+        beating.clear()
+
+
+def test_without_torchft_it_is_one_line(tmp_path):
+    """torchft not installed (an import of it fails): one line naming the package, exit status 2."""
+    (tmp_path / "torchft").mkdir()
+    (tmp_path / "torchft" / "__init__.py").write_text("raise ImportError('No module named torchft')\n")
+    said = run(launcher("python", SCRIPT) + TINY + ["--output-dir", str(tmp_path / "out")],
+               PYTHONPATH=str(tmp_path))
+    assert said.returncode == 2, said
+    assert said.stderr.strip() == ("distributed_live_recovery.py: error: torchft is not installed: pip install torchft "
+                                   "(PyTorch's fault-tolerance library) (see --help)"), said.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_of_two_processes_end_on_one_model(lighthouse, tmp_path):
+    """Two processes in a group: their gradients averaged within the group (SyncBatchNorm too), then with the other
+    group's; the two groups end on the same weights."""
+    out = tmp_path / "run"
+    flags = TINY + ["--lighthouse", lighthouse, "--output-dir", str(out)]
+    groups = [subprocess.Popen(launcher("torchrun", SCRIPT, 2) + flags + ["--replica-group", str(g)], cwd=ROOT,
+                               env=subprocess_env(RUST_LOG="warn"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True) for g in (0, 1)]
+    said = [group.communicate(timeout=200)[0] for group in groups]
+    assert [group.returncode for group in groups] == [0, 0], said
+    assert_same_weights(final_weights(out, 2))
+

@@ -1,0 +1,160 @@
+"""Plumbing of distributed_live_recovery.py, the DDP script that trains on when a replica group dies (torchft).
+
+Its flags (the lighthouse, this replica group, how many there are), the checks before a group starts (torchft
+installed, the lighthouse answers, no live group has this group's id), where this group's store is, and the
+gradient hook that averages within the group and then over the groups of the quorum. What torchft does (the
+quorum, the manager, healing) stays in the script.
+"""
+import datetime
+import logging
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from utils.errors import UsageError
+from utils.flags import non_negative_int, positive_int
+
+# torchft's coordinator (Rust) logs every step's quorum at INFO, three lines a step; warnings and errors only,
+# unless RUST_LOG says otherwise. Read once, when torchft is imported: import this module first.
+os.environ.setdefault("RUST_LOG", "warn")
+# a healing group reads the state from a bytes buffer, which torch warns about and never writes to
+warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+
+LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port
+HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive on the lighthouse
+# techniques that change what DDP sends or when: the gradients leave through this module's hook, and every group
+# must keep DDP's buckets as built (a group that joins late has a fresh DDP)
+REFUSED = {"comm_hook": ("none", "--comm-hook: the gradients already leave through torchft's hook"),
+           "static_graph": (False, "--static-graph: DDP would rebuild its buckets after the first step, and a group "
+                                   "that joins later would send its gradients in another layout"),
+           "cuda_graphs": (False, "--cuda-graphs: torchft's quorum and commit run on the host between the steps")}
+
+
+def add_flags(parser) -> None:
+    """The flags of live recovery, in a group of their own; each defaults to the variable torchft's examples use."""
+    group = parser.group("live recovery (torchft)")
+    group.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE", f"http://localhost:{LIGHTHOUSE_PORT}"),
+                       help="address of the lighthouse, the job's coordinator (start it first: torchft_lighthouse "
+                            "--min_replicas 1); default: $TORCHFT_LIGHTHOUSE")
+    group.add_argument("--replica-group", type=non_negative_int, metavar="ID",
+                       default=os.environ.get("REPLICA_GROUP_ID", "0"),
+                       help="this replica group's number, 0 to --replica-groups - 1: it picks the group's share of "
+                            "the data and its folder <output-dir>/replica_group_<ID>; default: $REPLICA_GROUP_ID")
+    group.add_argument("--replica-groups", type=positive_int, metavar="N",
+                       default=os.environ.get("NUM_REPLICA_GROUPS", "2"),
+                       help="how many replica groups the job has at most (the data is dealt into N shares); "
+                            "default: $NUM_REPLICA_GROUPS")
+    group.add_argument("--min-replica-groups", type=positive_int, default=1, metavar="N",
+                       help="a step updates the weights only while at least N groups take part in it (fewer: "
+                            "its batches are skipped); to have the live groups wait instead, start the lighthouse "
+                            "with --min_replicas N")
+    parser.checks.append(_why_not)
+
+
+def _why_not(args) -> str | None:
+    try:
+        import torchft  # noqa: F401
+    except ImportError:
+        return "torchft is not installed: pip install torchft (PyTorch's fault-tolerance library)"
+    if args.replica_group >= args.replica_groups:
+        return (f"--replica-group {args.replica_group} is not below --replica-groups {args.replica_groups}: "
+                f"number the groups 0 to {args.replica_groups - 1}")
+    if args.min_replica_groups > args.replica_groups:
+        return f"--min-replica-groups {args.min_replica_groups} is more than --replica-groups {args.replica_groups}"
+    if not re.fullmatch(r"https?://[^/\s]+/?", args.lighthouse):
+        return f"--lighthouse {args.lighthouse!r} is not an address like http://host:{LIGHTHOUSE_PORT}"
+    for flag, (default, why) in REFUSED.items():
+        if getattr(args, flag, default) != default:
+            return f"{why}; drop it with live recovery"
+    return None
+
+
+def check_lighthouse(args) -> None:
+    """Before the process group (a UsageError, one line): the lighthouse answers, and no live replica group has
+    this --replica-group. A group that was just killed still shows on the lighthouse until its heartbeats are
+    overdue (torchft_lighthouse --heartbeat_timeout_ms, 5 s by default): waits up to HEARTBEATS_OVERDUE_S.
+    --evaluate needs no lighthouse: nothing is checked."""
+    if args.evaluate:
+        return
+    deadline = time.monotonic() + HEARTBEATS_OVERDUE_S
+    while args.replica_group in live_replica_groups(args.lighthouse):
+        if time.monotonic() > deadline:
+            raise UsageError(f"replica group {args.replica_group} is already training (the lighthouse at "
+                             f"{args.lighthouse} has its heartbeats): give each group its own --replica-group")
+        time.sleep(0.5)
+
+
+def live_replica_groups(lighthouse: str) -> set[int]:
+    """The replica groups whose heartbeats the lighthouse has now, read from its status page (torchft's
+    dashboard: replica ids "<group>:<uuid>", an overdue one marked old). No lighthouse there is a UsageError."""
+    url = lighthouse.rstrip("/") + "/status"
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            page = response.read().decode("utf-8", "replace")
+    except (urllib.error.URLError, OSError) as error:
+        reason = getattr(error, "reason", error)
+        raise UsageError(f"no lighthouse answers at {lighthouse} ({reason}); start one first: torchft_lighthouse "
+                         f"--min_replicas 1 --bind [::]:{LIGHTHOUSE_PORT}") from None
+    return {int(group) for old, group in re.findall(r'class="heartbeat\s+(old\s+)?">\s*(\d+):', page) if not old}
+
+
+def store_of_this_group() -> dict:
+    """Manager's store_addr and store_port: the store this group's process group met at (torchrun's, or the one a
+    world of one made on a free port). Other groups reach it there to form the quorum's process group, so on
+    several machines MASTER_ADDR must be this machine's address (torchrun --rdzv-endpoint=<host>:<port>)."""
+    store = dist.distributed_c10d._get_default_store()  # no public accessor; the port a world of one picked
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return {"store_addr": os.environ["MASTER_ADDR"], "store_port": store.port}
+
+
+def average_in_group_then_across_groups(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's gradient hook: the bucket averaged over this group's processes (its own process group), then over
+    the replica groups of this step's quorum (the manager's fault-tolerant all-reduce). torchft's own DDP wrapper
+    does only the second, right for groups of one process; this runs both, so that a group may have several.
+    Written here also because torchft 0.2.0's hook fails an assertion when the all-reduce fails while waited for
+    (a group died mid-step); here the manager records the error and does not commit the step."""
+    buffer = bucket.buffer()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(buffer)  # a dead process of this group fails here, and with it the whole group
+        buffer /= dist.get_world_size()
+    manager.allreduce(buffer).wait()  # the average over the groups; False on an error, which the manager keeps
+    done = torch.futures.Future()  # as torch's own noop hook: the buffer, reduced in place
+    done.set_result(buffer)
+    return done
+
+
+class _NoTracebacks(logging.Filter):
+    """torchft logs a lost peer with a traceback per failed all-reduce; its one line says enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = None
+        return True
+
+
+logging.getLogger("torchft.manager").addFilter(_NoTracebacks())
+
+
+def average_batchnorm_statistics(manager, model: nn.Module) -> None:
+    """Collective between the replica groups of the quorum (the manager's all-reduce), at the end of every epoch:
+    BatchNorm's running statistics, which each group gathered from its own share of the data, averaged over the
+    groups, so that every group evaluates and saves the same model. A failed all-reduce leaves them as they were
+    (and the manager does not commit the next step)."""
+    buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
+    flat = torch.cat([buffer.reshape(-1) for buffer in buffers])  # one all-reduce for all of them
+    manager.allreduce(flat).wait()
+    if manager.errored() is None:
+        for buffer, averaged in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
+            buffer.copy_(averaged.view_as(buffer))
+
+
+def timeouts(env) -> dict:
+    """Manager's timeouts: a collective, a commit or a heal waits --dist-timeout; joining a quorum as long."""
+    return {"timeout": env.timeout, "quorum_timeout": env.timeout, "connect_timeout": datetime.timedelta(seconds=30)}
