@@ -230,11 +230,13 @@ def run_stoppable(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
 
 def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.CompletedProcess:
     """`cmd` (distributed_live_recovery.py under torchrun) as `groups` replica groups of one process each, side by
-    side, under a torchft lighthouse of their own on a free port. A stop of the benchmark (Ctrl-C, SIGTERM) stops
-    them as run_stoppable stops its launcher. The first group that failed gives the result's status and stderr."""
+    side, under a torchft lighthouse of their own on a free port. It forms no quorum before every group has joined:
+    with fewer, the first group could train ahead alone and a late one heal past the epochs timed. A stop of the
+    benchmark (Ctrl-C, SIGTERM) stops them as run_stoppable stops its launcher. The first group that failed gives
+    the result's status and stderr."""
     port = free_port()
     lighthouse = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
-                                   "--min_replicas", "1", "--bind", f"[::]:{port}"],
+                                   "--min_replicas", str(groups), "--bind", f"[::]:{port}"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
     procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups), "--lighthouse",

@@ -145,7 +145,7 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
     subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)
     assert "safety_net" not in (copy / "distributed.py").read_text()
-    write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
+    write_image_folder(tmp_path / "pngs", {"train": 32, "test": 3})
     result = check(subprocess.run(torchrun(copy / "distributed.py", 2) + [
         "--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "6", "--batch-size", "16", "--workers",
         "0"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300))
