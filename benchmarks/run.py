@@ -569,9 +569,10 @@ def main(argv=None):
                         help="DataLoader workers per process; default: 0 on the CPU (the cores compute; two rows "
                              f"use {WORKERS}), 8 on GPU")
     parser.add_argument("--only", default=None,
-                        help="run only the rows whose name contains this text (several: separated by commas; "
-                             "seed: the seed table's four rows; peers: the peers table and our rows beside it; "
-                             "others: the rows those two leave out, with DDP (torchrun))")
+                        help="run only the rows whose name contains this text, or the one row whose whole name "
+                             "it is (several: separated by commas; seed: the seed table's four rows; peers: the "
+                             "peers table and our rows beside it; others: the rows those two leave out, with DDP "
+                             "(torchrun))")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -589,8 +590,10 @@ def main(argv=None):
     if args.batch_size % 4:
         parser.error("--batch-size must be divisible by 4 (the accumulation rows split it in 4 micro-batches)")
     texts, keywords = (args.only.split(",") if args.only else []), keyword_rows(args.device)
+    names = {r.name for r in rows(args.device)}  # a whole name ("no SyncBatchNorm") is that row, not its namesakes
     wanted = [r for r in rows(args.device) if not texts or any(
-        r.name in keywords[text] if text in keywords else text in r.name for text in texts)]
+        r.name in keywords[text] if text in keywords else r.name == text if text in names else text in r.name
+        for text in texts)]
     if not wanted:
         parser.error(f"--only {args.only!r} matches no row")
     selected, left_out = [], []

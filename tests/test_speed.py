@@ -264,6 +264,17 @@ def test_quick_leaves_out_bfloat16_rows_on_a_cpu_without_it_and_says_so(monkeypa
     assert "--quick left out" in (tmp_path / "benchmark.md").read_text()
 
 
+def test_only_a_whole_row_name_selects_that_row_and_a_part_of_one_every_row_that_has_it(monkeypatch, tmp_path):
+    bench = fake_measurements(monkeypatch, native_bfloat16=True)
+    bench.main(["--quick", "--device", "cpu", "--only", "no SyncBatchNorm,DDP (torchrun)", "--output-dir",
+                str(tmp_path / "whole")])
+    rows = json.loads((tmp_path / "whole" / "benchmark.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["DDP (torchrun)", "no SyncBatchNorm"]
+    bench.main(["--quick", "--device", "cpu", "--only", "no SyncBatch", "--output-dir", str(tmp_path / "part")])
+    rows = json.loads((tmp_path / "part" / "benchmark.json").read_text())["rows"]
+    assert [r["name"] for r in rows] == ["DDP + bfloat16 autocast, no SyncBatchNorm", "no SyncBatchNorm"]
+
+
 def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
     """--only peers: DDP (torchrun) and DDP + bfloat16 autocast (on the CPU also both without SyncBatchNorm, as
     the peers are there), the plain loop and Lightning in float32 and in bfloat16, with the ideal as the eager
