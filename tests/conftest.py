@@ -1,4 +1,5 @@
 """Helpers for running the scripts through their real launchers in subprocesses."""
+import contextlib
 import json
 import os
 import subprocess
@@ -54,22 +55,32 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     """main(argv) in pytest's own process, reported as `run` reports a subprocess: for inputs refused before
     any process group forms, where a subprocess would spend its 3 seconds importing torch. The stop-signal
     handlers a script installs are undone."""
-    import signal
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
     environment = dict(os.environ)  # launch.this_process fills in MASTER_ADDR/MASTER_PORT for a world of one
     try:
-        main(argv)
+        with stop_handlers_undone():
+            main(argv)
         code = 0
     except SystemExit as exited:
         code = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
     finally:
-        for signum, handler in saved.items():
-            signal.signal(signum, handler)
-        signal.set_wakeup_fd(-1)
         os.environ.clear()
         os.environ.update(environment)
     said = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, said.out, said.err)
+
+
+@contextlib.contextmanager
+def stop_handlers_undone():
+    """Within: code that makes a SafetyNet (its SIGTERM, SIGINT and SIGUSR1 handlers, its wakeup fd); after: pytest's
+    own handlers again."""
+    import signal
+    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)}
+    try:
+        yield
+    finally:
+        for signum, handler in saved.items():
+            signal.signal(signum, handler)
+        signal.set_wakeup_fd(-1)
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import ROOT, TINY, launcher, run, run_main, subprocess_env
+from conftest import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
 from processes import Run, process_tree
 
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
@@ -179,6 +179,26 @@ def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, mon
         fault_tolerance.check_lighthouse(distributed_live_recovery.parse_args(["--lighthouse", lighthouse]))
     finally:
         beating.clear()
+
+
+def test_a_group_with_other_flags_is_refused_when_it_would_heal(tmp_path):
+    """The state a live group hands over (SafetyNet.state_for_a_peer) carries its run's flags: a group started with
+    another --lr is refused in one line when it would take it, before any of it is loaded. (By hand, a group 1 with
+    --lr 0.05 joining a group 0 at the default rate exits 2 with this line; group 0 trains on.)"""
+    from safety_net import SafetyNet
+    from utils.errors import UsageError
+
+    def flags_of(*extra):
+        return distributed_live_recovery.parse_args(TINY + ["--output-dir", str(tmp_path), *extra])
+
+    with stop_handlers_undone():
+        live = SafetyNet.for_flags(flags_of(), SCRIPT)
+        joiner = SafetyNet.for_flags(flags_of("--lr", "0.05"), SCRIPT)
+        with pytest.raises(UsageError) as refused:
+            joiner.take_state_from_a_peer({"run": live.options.run, "epoch": 0, "step": 8})
+    assert str(refused.value) == (f"the live replica groups train with --lr {live.options.run['lr']}, this one with "
+                                  "0.05: start every replica group with the same flags")
+    assert joiner.epoch_to_start() == 0 and not list(tmp_path.iterdir())
 
 
 def test_without_torchft_it_is_one_line(tmp_path):
