@@ -37,12 +37,14 @@ import importlib.util
 import json
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -238,6 +240,16 @@ def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.Com
     lighthouse = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
                                    "--min_replicas", str(groups), "--bind", f"[::]:{port}"],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 60  # the groups refuse to start without it: on a loaded machine it takes seconds
+    while True:
+        try:
+            urllib.request.urlopen(f"http://localhost:{port}/status", timeout=1).close()
+            break
+        except OSError:
+            if lighthouse.poll() is not None or time.monotonic() > deadline:
+                lighthouse.kill()
+                return subprocess.CompletedProcess(cmd, 1, "", f"the lighthouse on port {port} did not start")
+            time.sleep(0.2)
     errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
     procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups), "--lighthouse",
                                      f"http://localhost:{port}"], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
@@ -266,6 +278,15 @@ def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.Com
     return subprocess.CompletedProcess(cmd, procs[failed].returncode, "", said)
 
 
+def why_it_failed(stderr: str) -> str:
+    """The line that says why a row's command failed: the script's own one-line error or an exception's last line,
+    not the report torchrun prints after it (its last line is a rule of '=')."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
+    said = [line for line in lines if ": error: " in line or (re.match(r"^[\w.]+(Error|Exception)\b", line)
+                                                              and "ChildFailedError" not in line)]
+    return ((said or lines or ["no output"])[-1])[:200]
+
+
 def threads_env(processes: int) -> dict:
     """On the CPU each process gets an equal share of the cores, so every row uses all of them."""
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
@@ -291,7 +312,7 @@ def run_row(row: Row, args) -> dict:
         else:
             result = run_stoppable(cmd, threads_env(processes))
         if result.returncode != 0:
-            return {"error": (result.stderr.strip().splitlines() or ["no output"])[-1][:200],
+            return {"error": why_it_failed(result.stderr),
                     "command": " ".join(cmd)}
         records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     timed = records[1:]
