@@ -86,6 +86,7 @@ class Group:
         self.g, self.args, self.lighthouse = g, args, lighthouse
         self.step = 0  # the steps this group has reported, over all epochs
         self.healed = self.process = None
+        self.stopping = False  # once stopped: only the script's own stop line is shown, torchrun's report is logged
 
     def start(self, fresh: bool) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -105,6 +106,8 @@ class Group:
             log.flush()
             if re.match(r"^\[rank\d+\]:\[W", line):  # torch's C++ warnings, once per process: in the log only
                 continue
+            if self.stopping and not line.startswith(("stopped by", "error:")):  # torchrun's traceback of the signal
+                continue
             print(f"[group {self.g}] {line}", end="", flush=True)
             if match := PROGRESS.match(line):
                 epoch, step, steps = map(int, match.groups())
@@ -121,6 +124,7 @@ class Group:
         session of its own, so that only torchrun passes a stop signal on to them)."""
         if not self.running():
             return
+        self.stopping = signum == signal.SIGTERM
         for pid in ([*descendants(self.process.pid), self.process.pid] if signum == signal.SIGKILL
                     else [self.process.pid]):
             with contextlib.suppress(ProcessLookupError):
@@ -221,6 +225,8 @@ def main(argv=None) -> int:
         deadline = time.monotonic() + 40
         while any(group.running() for group in groups) and time.monotonic() < deadline:
             time.sleep(0.2)
+        print(f"[demo] torchrun's own report of the signal (a traceback) is in {args.output_dir}/"
+              "replica_group_<g>.log", flush=True)
         return 128 + (stop[0] if stop else signal.SIGINT)
     except RuntimeError as error:
         print(f"[demo] {error}; see {args.output_dir}/replica_group_<g>.log", file=sys.stderr, flush=True)

@@ -85,5 +85,12 @@ class Run:
         return self.proc.returncode, time.monotonic() - start
 
     @property
+    def text(self) -> str:
+        """Everything the run printed so far: what a test searches (a stop's torchrun tracebacks can be longer
+        than the tail below)."""
+        return "".join(self.lines)
+
+    @property
     def output(self) -> str:
-        return "".join(self.lines)[-6000:]
+        """The last 6000 characters printed: what a failing assertion shows."""
+        return self.text[-6000:]

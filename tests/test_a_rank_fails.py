@@ -58,7 +58,7 @@ def test_a_rank_that_raises_ends_the_run_in_one_line(kind, script, copy_with_a_b
     started = Run(cmd, env=subprocess_env())
     started.wait_for("epoch 2/2 step 1/6")
     status, seconds = started.finish(timeout=60)  # every process gone, or the test fails naming them
-    output = started.output
+    output = started.text
     errors = [line for line in output.splitlines() if "error:" in line]
     assert status != 0 and len(errors) == 1, output
     assert re.search(r"error: rank 1: ValueError: cannot decode sample 89 \(\S*utils/data\.py:\d+ in __getitem__; "

@@ -267,7 +267,7 @@ def test_a_second_run_on_the_same_output_dir_stops_at_once_and_touches_nothing(t
         assert f"error: --output-dir {out} is in use by another run (process" in second.stderr
         assert "distributed_mp.py --nprocs 2" in second.stderr  # who holds it
         assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == files  # nothing touched, nothing new
-        assert "step 2/100" in first.output or first.wait_for("step 3/100") is None  # the first one goes on
+        assert "step 2/100" in first.text or first.wait_for("step 3/100") is None  # the first one goes on
     finally:
         first.proc.send_signal(signal.SIGTERM)
         status, _ = first.finish(timeout=120)
@@ -291,11 +291,11 @@ def test_a_full_disk_stops_every_rank_with_one_line_and_the_previous_checkpoint_
         started = Run(launcher("spawn", "distributed_mp.py") + TINY[:-2] + [
             "--epochs", "2", "--print-freq", "100", "--output-dir", str(disk / "run")])
         status, _ = started.finish(timeout=240)
-        said = [line for line in started.output.splitlines() if "could not write" in line]
+        said = [line for line in started.text.splitlines() if "could not write" in line]
         assert status == 1 and len(said) == 1, started.output
         assert f"could not write {disk / 'run' / 'checkpoint.pt'} (No space left on device" in said[0]
         assert "a checkpoint needs about 8" in said[0] and "is intact" in said[0], said[0]
-        assert "Traceback" not in started.output, started.output
+        assert "Traceback" not in started.text, started.output
         assert load_checkpoint(disk / "run")["epoch"] == 1
         assert not list((disk / "run").glob("*.tmp"))
         assert json.loads((disk / "run" / "metrics.jsonl").read_text().splitlines()[-1])["epoch"] == 2

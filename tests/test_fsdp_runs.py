@@ -56,7 +56,7 @@ def test_a_stop_signal_then_a_rank_killed_mid_save_and_the_same_command_continue
     os.kill(started.proc.pid, signal.SIGTERM)
     status, seconds = started.finish()
     assert status != 0 and seconds < 30, started.output
-    (line,) = [x for x in started.output.splitlines() if x.startswith("stopped by SIGTERM at epoch 1, step")]
+    (line,) = [x for x in started.text.splitlines() if x.startswith("stopped by SIGTERM at epoch 1, step")]
     stopped = checkpoint.load(str(newest))["step"]
     assert f"step {stopped}/6:" in line and 2 <= stopped < 5 and not unfinished.exists()
 

@@ -98,7 +98,7 @@ def test_a_stop_signal_to_every_group_leaves_checkpoints_the_same_commands_conti
         started.proc.send_signal(15)
     for g, started in enumerate(runs):
         status, _ = started.finish(timeout=60)
-        assert status == 1 and "stopped by SIGTERM" in started.output, f"group {g}: exit {status}\n{started.output}"
+        assert status == 1 and "stopped by SIGTERM" in started.text, f"group {g}: exit {status}\n{started.output}"
     continued = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                   text=True) for command in commands]
     said = [process.communicate(timeout=200)[0] for process in continued]
@@ -121,10 +121,12 @@ def test_ctrl_c_stops_the_demo_and_leaves_no_process(tmp_path):
     assert len(started) >= 5, started  # the lighthouse, and each group's torchrun and process
     demo.proc.send_signal(signal.SIGINT)
     status, _ = demo.finish(timeout=60, started=started)
-    assert status == 130 and "[demo] SIGINT: stopping every group" in demo.output, demo.output
+    assert status == 130 and "[demo] SIGINT: stopping every group" in demo.text, demo.output
     for g in (0, 1):
-        assert f"[group {g}] stopped by SIGTERM at epoch 1" in demo.output, demo.output
+        assert f"[group {g}] stopped by SIGTERM at epoch 1" in demo.text, demo.output
         assert (out / f"replica_group_{g}" / "checkpoint.pt").exists()
+        assert "SignalException" in (out / f"replica_group_{g}.log").read_text()  # torchrun's report: in the log
+    assert "Traceback" not in demo.text, demo.output  # and not on the terminal
 
 
 def test_bad_flags_are_one_line(capsys, tmp_path):

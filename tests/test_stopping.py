@@ -79,7 +79,7 @@ def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, refere
         os.kill(started.proc.pid, signum)
     status, seconds = started.finish()
     print(f"\n{how}: {seconds:.1f} s from the signal to the last process gone")
-    line = stop_line(started.output)
+    line = stop_line(started.text)
     assert f"stopped by {signal.Signals(signum).name} at epoch 1, step" in line and "run the same command" in line
     if kind == "spawn":
         assert status == 128 + signum, started.output
@@ -124,8 +124,8 @@ def test_slurm_usr1_saves_then_requeues_the_job_and_the_requeued_job_continues(r
         os.kill(task.proc.pid, signal.SIGUSR1)
     results = [task.finish() for task in tasks]
     assert [status for status, _ in results] == [128 + signal.SIGUSR1] * 2, tasks[0].output + tasks[1].output
-    line = stop_line(tasks[0].output)
-    assert "SLURM job 4242 requeued" in tasks[0].output
+    line = stop_line(tasks[0].text)
+    assert "SLURM job 4242 requeued" in tasks[0].text
     assert log.read_text().splitlines() == ["show job -o 4242", "requeue 4242"]  # rank 0 alone requeues
     rank0_env = task_env(0)
     continued = Run(cmd, task_env(1))  # the requeued job: the same tasks run the same command
@@ -144,7 +144,7 @@ def test_a_launcher_killed_outright_leaves_no_rank_running(kind, tmp_path):
     status, seconds = started.finish(started=ranks)  # fails, naming them, if a rank outlives 60 s
     print(f"\n{kind} killed: its ranks gone {seconds:.1f} s later")
     assert status == -signal.SIGKILL and not alive(ranks)
-    assert "stopped by the launcher's exit" in started.output, started.output
+    assert "stopped by the launcher's exit" in started.text, started.output
 
 
 @pytest.mark.slow
@@ -255,4 +255,4 @@ def test_a_signal_while_starting_exits_at_once(tmp_path):
     os.kill(started.proc.pid, signal.SIGTERM)
     status, seconds = started.finish(timeout=20)
     assert status == 128 + signal.SIGTERM and seconds < 5, started.output
-    assert "stopped by SIGTERM while starting" in started.output
+    assert "stopped by SIGTERM while starting" in started.text

@@ -93,7 +93,7 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     started.wait_for("epoch 1/2 step 2/6")  # 96 images, a global batch of 16: 6 steps per epoch
     started.proc.send_signal(signal.SIGINT)  # Ctrl-C
     status, _ = started.finish()
-    assert status != 0 and "stopped by SIGINT at epoch 1" in started.output, started.output
+    assert status != 0 and "stopped by SIGINT at epoch 1" in started.text, started.output
     stopped_at = load_checkpoint(out)
     assert stopped_at["epoch"] == 0 and 2 <= stopped_at["step"] < 6
     assert "features.0.0.weight" in stopped_at["model"]  # the copy's model: MobileNetV3, not ResNet-18
