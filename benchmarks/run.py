@@ -44,7 +44,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,8 +51,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
-from utils import flags, precision
-from utils.spawn import free_port
+from utils import fault_tolerance, flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
@@ -236,40 +234,27 @@ def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.Com
     with fewer, the first group could train ahead alone and a late one heal past the epochs timed. A stop of the
     benchmark (Ctrl-C, SIGTERM) stops them as run_stoppable stops its launcher. The first group that failed gives
     the result's status and stderr."""
-    port = free_port()
-    lighthouse = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse"),
-                                   "--min_replicas", str(groups), "--bind", f"[::]:{port}"],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 60  # the groups refuse to start without it: on a loaded machine it takes seconds
-    while True:
-        try:
-            urllib.request.urlopen(f"http://localhost:{port}/status", timeout=1).close()
-            break
-        except OSError:
-            if lighthouse.poll() is not None or time.monotonic() > deadline:
-                lighthouse.kill()
-                return subprocess.CompletedProcess(cmd, 1, "", f"the lighthouse on port {port} did not start")
-            time.sleep(0.2)
     errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
-    procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups), "--lighthouse",
-                                     f"http://localhost:{port}"], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
-                              stdout=subprocess.DEVNULL, stderr=errors[g], text=True, start_new_session=True)
-             for g in range(groups)]
     try:
-        for proc in procs:
-            proc.wait()
-    except KeyboardInterrupt:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
+        with fault_tolerance.lighthouse_of_our_own(min_replicas=groups) as address:
+            procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups),
+                                             "--lighthouse", address], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
+                                      stdout=subprocess.DEVNULL, stderr=errors[g], text=True, start_new_session=True)
+                     for g in range(groups)]
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        raise
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
+                for proc in procs:
+                    proc.wait()
+            except KeyboardInterrupt:
+                for proc in procs:
+                    proc.terminate()
+                for proc in procs:
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        proc.kill()
+                raise
+    except RuntimeError as error:  # the lighthouse did not start: no group was
+        return subprocess.CompletedProcess(cmd, 1, "", str(error))
     failed = next((g for g, proc in enumerate(procs) if proc.returncode), 0)
     errors[failed].seek(0)
     said = errors[failed].read()

@@ -20,30 +20,15 @@ import distributed_live_recovery  # noqa: E402
 from utils import fault_tolerance  # noqa: E402
 from utils.spawn import free_port  # noqa: E402
 
-sys.path.insert(0, str(ROOT / "examples"))
-from live_recovery_demo import lighthouse_program  # noqa: E402
-
 SCRIPT = "distributed_live_recovery.py"
 
 
 @pytest.fixture
 def lighthouse():
-    """A torchft lighthouse on a free port, as the README starts one; its address."""
-    port = free_port()
-    process = subprocess.Popen([lighthouse_program(), "--min_replicas", "1", "--bind", f"[::]:{port}",
-                                "--heartbeat_timeout_ms", "2000"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    address = f"http://localhost:{port}"
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            fault_tolerance.live_replica_groups(address)
-            break
-        except Exception:
-            assert time.monotonic() < deadline, "the lighthouse did not start"
-            time.sleep(0.1)
-    yield address
-    process.kill()
-    process.wait()
+    """A torchft lighthouse of the test's own, as the README starts one (a quorum of one group is enough); its
+    address."""
+    with fault_tolerance.lighthouse_of_our_own(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
+        yield address
 
 
 def final_weights(output_dir, groups: int) -> list[dict]:

@@ -5,10 +5,14 @@ installed, the lighthouse answers, no live group has this group's id), where thi
 gradient hook that averages within the group and then over the groups of the quorum. What torchft does (the
 quorum, the manager, healing) stays in the script.
 """
+import contextlib
 import datetime
 import logging
 import os
 import re
+import shutil
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -20,6 +24,7 @@ from torch import nn
 
 from utils.errors import UsageError
 from utils.flags import non_negative_int, positive_int
+from utils.spawn import free_port
 
 # torchft's coordinator (Rust) logs every step's quorum at INFO, three lines a step; warnings and errors only,
 # unless RUST_LOG says otherwise. Read once, when torchft is imported: import this module first.
@@ -103,6 +108,33 @@ def live_replica_groups(lighthouse: str) -> set[int]:
         raise UsageError(f"no lighthouse answers at {lighthouse} ({reason}); start one first: torchft_lighthouse "
                          f"--min_replicas 1 --bind [::]:{LIGHTHOUSE_PORT}") from None
     return {int(group) for old, group in re.findall(r'class="heartbeat\s+(old\s+)?">\s*(\d+):', page) if not old}
+
+
+@contextlib.contextmanager
+def lighthouse_of_our_own(min_replicas: int, heartbeat_timeout_ms: int = 5000, wait_s: float = 60):
+    """For the tests and the benchmark: a torchft lighthouse on a free port, yielded as its address once it answers
+    (a group started before that refuses to start; on a loaded machine the lighthouse takes seconds), killed at exit.
+    A lighthouse that does not answer within wait_s is a RuntimeError."""
+    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # a virtual environment's bin/
+    program = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
+    port = free_port()
+    process = subprocess.Popen([program, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
+                                "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        address, deadline = f"http://localhost:{port}", time.monotonic() + wait_s
+        while True:
+            try:
+                live_replica_groups(address)
+                break
+            except UsageError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the lighthouse on port {port} did not start") from None
+                time.sleep(0.2)
+        yield address
+    finally:
+        process.kill()
+        process.wait()
 
 
 def store_of_this_group() -> dict:
