@@ -106,8 +106,8 @@ class Group:
             log.flush()
             if re.match(r"^\[rank\d+\]:\[W", line):  # torch's C++ warnings, once per process: in the log only
                 continue
-            if self.stopping and not line.startswith(("stopped by", "error:")):  # torchrun's traceback of the signal
-                continue
+            if self.stopping and not (line.startswith(("stopped by", "warning:")) or ": error: " in line):
+                continue  # torchrun's traceback of the signal: in the log only; the script's own lines are shown
             print(f"[group {self.g}] {line}", end="", flush=True)
             if match := PROGRESS.match(line):
                 epoch, step, steps = map(int, match.groups())
