@@ -67,7 +67,7 @@ def test_dataparallel_autocast_is_inside_the_forward_and_the_checkpoint_holds_th
 def test_dataparallel_mixed_precision_trains_and_its_checkpoint_evaluates_exactly(tmp_path):
     """bfloat16 runs on any CPU; float16 is the same code path with the GradScaler on (see tests/test_gpu.py)."""
     from conftest import check, launcher, load_checkpoint, read_metrics, run
-    small = ["--dataset", "synthetic", "--train-samples", "32", "--test-samples", "9", "--batch-size", "16",
+    small = ["--dataset", "synthetic", "--train-samples", "16", "--test-samples", "5", "--batch-size", "16",
              "--workers", "0", "--opt-level", "O1", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]
     check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1"]))
     saved = load_checkpoint(tmp_path)
@@ -76,4 +76,4 @@ def test_dataparallel_mixed_precision_trains_and_its_checkpoint_evaluates_exactl
     check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1", "--evaluate"]))
     evaluated = json.loads((tmp_path / "eval.json").read_text())
     (record,) = read_metrics(tmp_path)
-    assert evaluated["samples"] == 9 and evaluated["test_loss"] == pytest.approx(record["test_loss"])
+    assert evaluated["samples"] == 5 and evaluated["test_loss"] == pytest.approx(record["test_loss"])
