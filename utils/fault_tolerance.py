@@ -2,8 +2,8 @@
 
 Its flags (the lighthouse, this replica group, how many there are), the checks before a group starts (torchft
 installed, the lighthouse answers, no live group has this group's id), where this group's store is, and the
-gradient hook that averages within the group and then over the groups of the quorum. What torchft does (the
-quorum, the manager, healing) stays in the script.
+gradient hook that averages within the group and then over the groups of the quorum, and a lighthouse of their own
+for the tests and the benchmark. What torchft does (the quorum, the manager, healing) stays in the script.
 """
 import contextlib
 import datetime
