@@ -234,9 +234,9 @@ def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.Com
     with fewer, the first group could train ahead alone and a late one heal past the epochs timed. A stop of the
     benchmark (Ctrl-C, SIGTERM) stops them as run_stoppable stops its launcher. The first group that failed gives
     the result's status and stderr."""
-    errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
     try:
         with fault_tolerance.lighthouse_of_our_own(min_replicas=groups) as address:
+            errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
             procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups),
                                              "--lighthouse", address], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
                                       stdout=subprocess.DEVNULL, stderr=errors[g], text=True, start_new_session=True)

@@ -124,7 +124,6 @@ class Group:
         session of its own, so that only torchrun passes a stop signal on to them)."""
         if not self.running():
             return
-        self.stopping = signum == signal.SIGTERM
         for pid in ([*descendants(self.process.pid), self.process.pid] if signum == signal.SIGKILL
                     else [self.process.pid]):
             with contextlib.suppress(ProcessLookupError):
@@ -221,6 +220,7 @@ def main(argv=None) -> int:
         name = signal.Signals(stop[0] if stop else signal.SIGINT).name
         print(f"[demo] {name}: stopping every group at a step (each writes its checkpoint)", flush=True)
         for group in groups:
+            group.stopping = True
             group.signal(signal.SIGTERM)
         deadline = time.monotonic() + 40
         while any(group.running() for group in groups) and time.monotonic() < deadline:
