@@ -201,7 +201,9 @@ def main(argv=None) -> int:
         wait_until(lambda: victim.step >= args.kill_at_step, f"group {victim.g} to reach step {args.kill_at_step}",
                    groups)
         victim.signal(signal.SIGKILL)
-        killed_at = max(group.step for group in others)
+        # the groups step in lockstep (a quorum a step), but a group's progress line may not be read yet: the
+        # victim's is, so count the steps alone from the furthest of all
+        killed_at = max(group.step for group in groups)
         print(f"[demo] SIGKILL to replica group {victim.g} (its torchrun and processes) at step {victim.step}: the "
               "others train on without it", flush=True)
         wait_until(lambda: max(group.step for group in others) >= killed_at + args.down_for_steps,
