@@ -10,7 +10,6 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBPROCESS_SITE = Path(__file__).resolve().parent / "subprocess_site"
 # Tiny synthetic runs: 3 optimizer steps of a global batch of 16, a test set that 2 and 3 do not divide.
 TINY = ["--dataset", "synthetic", "--train-samples", "48", "--test-samples", "21", "--batch-size", "16",
         "--epochs", "1", "--workers", "0", "--print-freq", "1"]
@@ -29,8 +28,6 @@ def subprocess_env(**extra) -> dict:
                                                             "MASTER_PORT", "LOCAL_WORLD_SIZE")}
     # CPU tests stay on the CPU on a machine with GPUs too; GPU tests pass CUDA_VISIBLE_DEVICES
     env.update({"OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
-    # every process skips the interpreter's last garbage collection at exit: subprocess_site/sitecustomize.py
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(SUBPROCESS_SITE), env.get("PYTHONPATH")) if p)
     return env
 
 
