@@ -86,7 +86,8 @@ class Group:
         self.g, self.args, self.lighthouse = g, args, lighthouse
         self.step = 0  # the steps this group has reported, over all epochs
         self.healed = self.process = None
-        self.stopping = False  # once stopped: only the script's own stop line is shown, torchrun's report is logged
+        # once stopped: the script's own stop, warning and error lines are shown; torchrun's report goes to the log
+        self.stopping = False
 
     def start(self, fresh: bool) -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
