@@ -4,10 +4,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+from torch.overrides import TorchFunctionMode
 from torch.utils.data import DistributedSampler
 
 from utils import data, device_loader
-from utils.device_loader import DeviceTrainLoader
+from utils.device_loader import DeviceTestLoader, DeviceTrainLoader
 from utils.errors import UsageError
 
 CPU = torch.device("cpu")
@@ -57,6 +58,48 @@ def test_device_test_batches_equal_the_dataloader_shard():
                 assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
 
+class HostData(TorchFunctionMode):
+    """Records each tensor made from host data while on: torch.tensor and its kin, and a CPU tensor moved or
+    copied to another device. On a GPU each is a blocking copy from pageable memory: the host waits for the
+    work queued before it. (A TorchDispatchMode would miss torch.tensor's copy: it comes before dispatch.)"""
+
+    MAKERS = (torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.Tensor.new_tensor)
+    MOVERS = (torch.Tensor.to, torch.Tensor.cuda)
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if (func in self.MAKERS
+                or func in self.MOVERS and args[0].device.type == "cpu" and result.device.type != "cpu"
+                or func is torch.Tensor.copy_ and args[1].device.type == "cpu" and args[0].device.type != "cpu"):
+            self.calls.append(func.__name__)
+        return result
+
+
+def test_device_batches_make_no_tensor_from_host_data():
+    """Each batch is made from tensors already on the device, so the host never waits for the device's
+    queue (before a CUDA-graph replay, for the step before). On the meta device: the same calls, no data."""
+    meta = torch.device("meta")
+    with HostData() as seen:  # the counter sees what it must
+        torch.tensor([1], device=meta), torch.zeros(1).to(meta), torch.empty(1, device=meta).copy_(torch.zeros(1))
+    assert seen.calls == ["tensor", "to", "copy_"]
+    train_set = data.Images(*data.synthetic(16, train=True), augment=True, seed=0)
+    shared = sampler(train_set, rank=0, world_size=1, seed=0)
+    train = DeviceTrainLoader(train_set, shared, per_rank_batch=4, device=meta)
+    test = DeviceTestLoader(data.Images(*data.synthetic(10, train=False), augment=False, seed=0), 4,
+                            SimpleNamespace(rank=0, world_size=1, device=meta))
+    shared.set_epoch(0)
+    batches = train.epoch(0)  # the epoch's order comes from the host once, here
+    with HostData() as seen:
+        made = [next(batches) for _ in range(3)] + list(test)
+    assert seen.calls == []
+    assert [len(y) for _, y in made] == [4, 4, 4, 4, 4, 2]
+    assert all(x.device == meta and x.shape[1:] == (3, 32, 32) for x, _ in made)
+
+
 def test_device_loader_without_a_whole_batch_is_a_usage_error():
     dataset = data.Images(*data.synthetic(5, train=True), augment=True, seed=0)
     with pytest.raises(UsageError, match="make no whole batch of --batch-size 8"):
@@ -89,7 +132,7 @@ def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
 def test_a_padded_crop_matches_torchvision(monkeypatch, top, left, flip):
     dataset = data.Images(*data.synthetic(8, train=True), augment=True, seed=0)
     _, (_, loader) = both_train_loaders(dataset, 4, rank=0, world_size=1, seed=0)
-    monkeypatch.setattr(device_loader, "augment_draws", lambda seed, epoch, indices: tuple(
+    monkeypatch.setattr(device_loader, "augment_draws", lambda seed, epoch, indices, streams: tuple(
         torch.full_like(indices, v) for v in (top, left, flip)))
     images, _ = loader.batch(torch.tensor([5, 2]), epoch=0)
     for got, index in zip(images, (5, 2), strict=True):

@@ -40,18 +40,25 @@ def _mix(x):
 _STREAMS = [k * 0x3C6E_F372 & _MASK for k in (1, 2, 3)]  # offsets of the three draws of one sample
 
 
+def draw_streams(device: torch.device) -> torch.Tensor:
+    """_STREAMS as a tensor on `device`, for augment_draws's batches. A loader makes it once: made from the
+    list at each batch, it would be a blocking copy from host memory (on a GPU, a wait for the step before)."""
+    return torch.tensor(_STREAMS, device=device)
+
+
 # Hand-written: torchvision's random transforms draw from the process RNG, different in each worker and rank.
-def augment_draws(seed: int, epoch: int, indices):
+def augment_draws(seed: int, epoch: int, indices, streams: torch.Tensor | None = None):
     """(top, left, flip) of RandomCrop(32, padding=4) and RandomHorizontalFlip(0.5) for sample indices:
     top and left in 0..8, flip in {0, 1}. `indices` is an int (Python ints back) or an int64 tensor on any
-    device (tensors back): exact integer arithmetic, so each way gives the same draws."""
+    device (tensors back): exact integer arithmetic, so each way gives the same draws. `streams`, for a
+    tensor: draw_streams(indices.device), made here when not given."""
     key = _mix((_mix(seed & _MASK) + (epoch & _MASK)) & _MASK)
     if isinstance(indices, int):  # one sample, in a DataLoader worker: plain ints are 20x faster than tensors
         h = _mix((key + (indices & _MASK)) & _MASK)
         top, left, flip = (_mix((h + s) & _MASK) for s in _STREAMS)
     else:  # a batch, on the device loader's device
         h = _mix((key + (indices.long() & _MASK)) & _MASK)
-        streams = torch.tensor(_STREAMS, device=indices.device)
+        streams = draw_streams(indices.device) if streams is None else streams
         top, left, flip = _mix((h[..., None] + streams) & _MASK).unbind(-1)  # three separate hash outputs
     return top % 9, left % 9, flip >> 30  # 2**31 % 9 == 2: a bias of 1e-9
 
