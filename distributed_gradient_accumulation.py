@@ -117,6 +117,7 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
         try:
             status = train(args, env, net)
         finally:
+            cuda_graphs.release_captured_graphs()  # a live graph keeps NCCL's communicator: destroying it would hang
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)
 

@@ -1,13 +1,23 @@
 """--cuda-graphs (utils/cuda_graphs.py): what the CPU can prove of the graph path, and on a GPU the rest (skipped
 without one). On the CPU the scripts refuse the flag; tests/script_driver.py leaves that refusal out, so each step
 goes through the graph path's static buffers, rate tensors and stand-in net, called directly where a GPU replays."""
+import contextlib
+import gc
+import os
+import re
 import shutil
+import signal
+import subprocess
 import sys
+import time
+import weakref
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, load_checkpoint, read_metrics, run, run_main
+from conftest import ROOT, check, load_checkpoint, read_metrics, run, run_main, subprocess_env
+from markers import gpu_test
+from processes import alive, process_tree
 
 from utils import cuda_graphs
 
@@ -18,7 +28,7 @@ RUN = ["--dataset", "synthetic", "--train-samples", "112", "--test-samples", "16
        "--epochs", "2", "--lr", "0.01", "--workers", "0", "--print-freq", "5", "--loader", "device",
        "--optimizer-impl", "fused", "--save-every-steps", "4", "--keep", "10", "--device", "cpu"]
 GPUS = torch.cuda.device_count()
-needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
+needs_gpu = gpu_test(GPUS < 1, "needs a GPU")
 
 
 def torchrun(*args: str, nprocs: int = 2) -> list[str]:
@@ -66,6 +76,34 @@ def host_reads(out: Path) -> str:
     return (out / "host_reads.txt").read_text()
 
 
+def run_watched(cmd: list[str], limit: float, logs: Path, **env) -> subprocess.CompletedProcess:
+    """cmd run as `run` runs it, its stdout and stderr kept apart in logs/, and every process it starts watched:
+    the test fails if it is still running after `limit` seconds (a hang: all of them are killed) or if any is left
+    running 30 s after the launcher ended."""
+    logs.mkdir()
+    seen = set()
+    with open(logs / "stdout", "w") as stdout, open(logs / "stderr", "w") as stderr:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(**env), stdout=stdout, stderr=stderr)
+        deadline = time.monotonic() + limit
+        while proc.poll() is None and time.monotonic() < deadline:
+            seen.update(process_tree(proc.pid))  # the ranks start sessions of their own: a killpg misses them
+            time.sleep(0.2)
+        hung = proc.poll() is None
+        settled = time.monotonic() + (0 if hung else 30)
+        while alive(list(seen)) and time.monotonic() < settled:
+            time.sleep(0.1)
+        left = alive(list(seen))
+        for pid in left:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        proc.wait()
+    said = subprocess.CompletedProcess(cmd, proc.returncode, (logs / "stdout").read_text(),
+                                       (logs / "stderr").read_text())
+    assert not hung, f"still running after {limit} s (killed)\n{said.stdout[-3000:]}\n{said.stderr[-3000:]}"
+    assert not left, f"processes left running: {left}\n{said.stdout[-3000:]}\n{said.stderr[-3000:]}"
+    return said
+
+
 @pytest.mark.slow
 def test_the_graph_path_ends_on_the_weights_of_the_eager_loop_bit_for_bit(eager, graphed):
     assert_same_state_bit_for_bit(eager / "run", graphed / "run")
@@ -98,6 +136,33 @@ def test_a_resume_into_and_out_of_the_graph_path_continues_to_the_same_weights(e
     result = check(run(torchrun("distributed.py", *RUN, "--output-dir", str(out)), timeout=400))
     assert "epoch 2, step 4" in result.stdout
     assert_same_state_bit_for_bit(eager / "run", out)
+
+
+def assert_failed_once_with_the_graph_released_first(said: subprocess.CompletedProcess, teardown_log: Path,
+                                                     graph: str, ranks: int) -> None:
+    """The run ended on rank 0's injected failure (the driver's --fail-at-step 14), told in one error line the way
+    the scripts tell an unexpected error, and each rank closed its CapturedSteps, which held `graph`, before
+    destroying the process group."""
+    output = said.stdout + said.stderr
+    assert said.returncode != 0 and output.count("injected failure") == 1, output[-6000:]
+    (line,) = [line for line in said.stderr.splitlines() if "injected failure" in line]
+    found = re.search(r"error: rank 0: RuntimeError: injected failure at step 14 \(\S*script_driver\.py:\d+ in "
+                      r"failing_step_done; the traceback is in (\S+)\)$", line)
+    assert found, line
+    Path(found.group(1)).unlink()
+    logged = teardown_log.read_text().splitlines()
+    for rank in range(ranks):
+        assert [entry for entry in logged if entry.startswith(f"rank {rank}: ")] == [
+            f"rank {rank}: close: held {graph}, now None", f"rank {rank}: destroy_process_group"], logged
+
+
+@pytest.mark.slow
+def test_an_error_past_the_capture_releases_the_graph_before_the_process_group_is_destroyed(tmp_path):
+    teardown_log = tmp_path / "teardown.log"
+    said = run_watched(torchrun("--graph-path-on-cpu", "--fail-at-step", "14", "--teardown-log", str(teardown_log),
+                                "distributed.py", *RUN, "--cuda-graphs", "--output-dir", str(tmp_path / "run")),
+                       limit=300, logs=tmp_path / "logs")
+    assert_failed_once_with_the_graph_released_first(said, teardown_log, "_CalledDirectly", ranks=2)
 
 
 def test_each_step_runs_once_eagerly_then_from_the_capture():
@@ -133,11 +198,48 @@ def test_each_step_runs_once_eagerly_then_from_the_capture():
     assert optimizer.param_groups[0]["lr"] == 0.25  # a number again outside the step
 
 
+def test_an_error_past_the_capture_leaves_the_graph_to_release_captured_graphs():
+    """An error raised after the capture (the net's divergence guard, a checkpoint that cannot be written) leaves
+    with a traceback that holds the CapturedSteps; release_captured_graphs, as the scripts' `finally` calls it
+    before destroying the process group, still lets go of its graph and buffers. A second call does nothing, the
+    closed object refuses to step, and the registry keeps none alive."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=0.5, fused=True)
+
+    def train_one_epoch(model, criterion, optimizer, loader, device, net):
+        ((images, targets),) = loader
+        net.step_done(images.sum())
+
+    class FailsAtTheFirstReplay:
+        steps = 0
+
+        def step_done(self, loss):
+            self.steps += 1
+            if self.steps == cuda_graphs.WARMUP_STEPS + 2:  # eager steps, the capture, then this replay
+                raise RuntimeError("injected failure")
+            return False
+
+    steps = cuda_graphs.CapturedSteps(train_one_epoch, torch.device("cpu"))
+    batches = [(torch.full((2, 3), float(k)), torch.tensor([k, k])) for k in range(cuda_graphs.WARMUP_STEPS + 4)]
+    with pytest.raises(RuntimeError, match="injected failure") as raised:
+        steps(None, None, optimizer, batches, torch.device("cpu"), FailsAtTheFirstReplay())
+    graph = steps.graph
+    assert isinstance(graph, cuda_graphs._CalledDirectly) and raised.tb is not None  # the traceback holds it
+    cuda_graphs.release_captured_graphs()
+    cuda_graphs.release_captured_graphs()  # harmless
+    assert steps.closed and graph.replay is None  # reset, as a CUDA graph's
+    assert (steps.graph, steps.images, steps.targets, steps.rates, steps.kept.loss) == (None,) * 5
+    with pytest.raises(RuntimeError, match="after close"):
+        steps(None, None, optimizer, batches, torch.device("cpu"), FailsAtTheFirstReplay())
+    kept = weakref.ref(steps)
+    del steps, raised
+    gc.collect()  # the traceback's frames
+    assert kept() is None
+
+
 @pytest.mark.parametrize(("argv", "says"), [
     (["--cuda-graphs", "--device", "cpu"], "it needs a GPU (drop --device cpu)"),
     (["--cuda-graphs", "--loader", "device", "--optimizer-impl", "foreach"], "drop --optimizer-impl foreach"),
     (["--cuda-graphs", "--loader", "device", "--comm-hook", "fp16"], "--comm-hook fp16"),
-    (["--cuda-graphs", "--loader", "device", "--compile"], "give one of them"),
     (["--cuda-graphs"], "add --loader device"),
 ])
 def test_flags_it_cannot_run_with_are_one_line_errors(argv, says, monkeypatch, capsys):
@@ -232,3 +334,17 @@ def test_graph_path_checkpoint_and_resume_on_a_gpu(tmp_path):
     for key, tensor in expected["model"].items():
         torch.testing.assert_close(got["model"][key], tensor, rtol=2e-2, atol=2e-3, msg=key)
     assert [r["epoch"] for r in read_metrics(resumed)] == [1, 2]
+
+
+@needs_gpu
+def test_an_error_past_the_capture_on_a_gpu_ends_the_run_without_a_hang(tmp_path):
+    """A captured CUDA graph still alive would keep NCCL's communicator and hang destroy_process_group
+    (pytorch/pytorch#115388); the script's `finally` releases it first."""
+    flags = ["--dataset", "synthetic", "--train-samples", "1024", "--test-samples", "64", "--batch-size", "64",
+             "--epochs", "1", "--workers", "0", "--print-freq", "4", "--loader", "device", "--amp-dtype",
+             "bfloat16", "--cuda-graphs", "--device", "cuda"]
+    teardown_log = tmp_path / "teardown.log"
+    said = run_watched(torchrun("--fail-at-step", "14", "--teardown-log", str(teardown_log), "distributed_apex.py",
+                                *flags, "--output-dir", str(tmp_path / "run"), nprocs=1),
+                       limit=240, logs=tmp_path / "logs", CUDA_VISIBLE_DEVICES="0")
+    assert_failed_once_with_the_graph_released_first(said, teardown_log, "CUDAGraph", ranks=1)

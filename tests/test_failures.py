@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, subprocess_env
+from markers import gpu_test
 
 FAILURES = ROOT / "failures"
 PROGRAMS = sorted(path.name for path in FAILURES.glob("[!_]*.py"))
@@ -282,8 +283,8 @@ def test_each_program_reads_alone(program):
     assert "args.fixed" in source
 
 
-needs_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-needs_2_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+needs_gpu = gpu_test(not torch.cuda.is_available(), "needs a GPU")
+needs_2_gpus = gpu_test(torch.cuda.device_count() < 2, "needs 2 GPUs")
 LOAD = "import sys, torch; print(torch.load(sys.argv[1]{})['weight'].device)"  # in a process that sees no GPU
 
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from utils.syncbn import CpuSyncBatchNorm
 
+pytestmark = pytest.mark.gpu
 GPUS = torch.cuda.device_count()
 needs_gpu = pytest.mark.skipif(GPUS < 1, reason="needs a GPU")
 needs_2_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")

@@ -1,16 +1,26 @@
 """--cuda-graphs: every training step replayed from one CUDA graph (a speed technique: docs/speed.md).
 
 Eager ResNet-18 on a GPU is bound by the host launching its kernels: at a batch of 256 on an H100 its bare
-step took 2.6 s per 50,000 images eagerly and 0.8 s as a CUDA graph, which records the step's kernels once and
-launches them all at once. What is captured here is the script's own step: its train_one_epoch, run on a list of
-one batch held in static buffers, with a stand-in for the safety net that keeps the step's loss in a static tensor.
-So the graph holds forward, loss, backward with DDP's gradient all-reduce (and SyncBatchNorm's collectives, and
-no_sync's micro-batches in the accumulation script) and the optimizer's step. Per step, outside the graph: the batch
-copied into the static buffers, the learning rate copied into the tensor the optimizer reads (only when the schedule
-changed it), and the net's bookkeeping on the static loss (summed on the device; the stop agreement; checkpoints).
+step took 2.6 s per 50,000 images eagerly and 0.8 s under torch.compile(mode="reduce-overhead"), which both fuses
+its kernels and replays them from CUDA graphs (a graph records a step's kernels once and launches them all at once);
+eager kernels replayed from a graph were not measured there. What is captured here is the script's own step: its
+train_one_epoch, run on a list of one batch held in static buffers, with a stand-in for the safety net that keeps
+the step's loss in a static tensor. So the graph holds forward, loss, backward with DDP's gradient all-reduce (and
+SyncBatchNorm's collectives, and no_sync's micro-batches in the accumulation script) and the optimizer's step. Per
+step, outside the graph: the batch copied into the static buffers, the learning rate copied into the tensor the
+optimizer reads (only when the schedule changed it), and the net's bookkeeping on the static loss (summed on the
+device; the stop agreement; checkpoints).
+
+With --compile the graph holds the compiled kernels: the model is compiled in torch.compile's default mode (fused
+kernels, no graphs of its own: techniques.compile_if_asked) at the first eager step, and the eager steps launch
+every compiled kernel before the capture (inductor tunes some at their first launch), so nothing compiles or tunes
+at the capture, where torch refuses to compile. Nothing a guard of the compiled code checks changes at the capture:
+the same static inputs, grad mode, autocast and stream at every step; the optimizer, whose learning rate is a
+tensor here, is not compiled. tests/test_cuda_graphs_compiled.py counts the compilations on the CPU.
 
 torch's recipe (its CUDA semantics notes: whole-network capture, and usage with DistributedDataParallel):
-- NCCL's asynchronous error handling off before the process group starts (launch.this_process does it);
+- (its step "NCCL's asynchronous error handling off" is obsolete since torch 2.1 and not taken: ProcessGroupNCCL
+  hands no work issued during a capture to its watchdog, so the eager collectives keep their --dist-timeout);
 - DDP built on the side stream the step is warmed up and captured on: from CapturedSteps' creation on, this rank
   works on that stream, so it comes before DDP(...), which registers its gradient hooks on the current stream;
 - at least 11 eager DDP steps before the capture (WARMUP_STEPS): DDP rebuilds its buckets after its first step
@@ -21,7 +31,14 @@ torch's recipe (its CUDA semantics notes: whole-network capture, and usage with 
   in the graph at the value of the step that was captured.
 Off the GPU the same steps are called directly instead of captured and replayed; tests/test_cuda_graphs.py proves
 that path on the CPU, bit for bit against the eager loop.
+
+Every exit of a script, an error's included, releases the graph before the process group is destroyed
+(release_captured_graphs, in the `finally` before dist.destroy_process_group): NCCL does not destroy a
+communicator that a live graph captured, and the process would hang there (pytorch/pytorch#115388), while an
+error's traceback keeps the graph alive until the process ends.
 """
+import weakref
+
 import torch
 
 from utils.errors import UsageError
@@ -33,7 +50,8 @@ def add_flag(group) -> None:
     group.add_argument("--cuda-graphs", action="store_true",
                        help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in "
                             "a CUDA graph and replay it every step: one launch instead of thousands. Needs a GPU, "
-                            "--loader device, and bfloat16 or float32 (not float16's loss scaling)")
+                            "--loader device, and bfloat16 or float32 (not float16's loss scaling); with --compile the "
+                            "graph holds the compiled kernels")
 
 
 def why_not(args) -> str | None:
@@ -53,9 +71,7 @@ def why_not(args) -> str | None:
                "graph would keep at its first value: use --optimizer sgd"
                if getattr(args, "optimizer", "sgd") != "sgd" else None,
                f"--cuda-graphs captures DDP's own all-reduce; --comm-hook {args.comm_hook} runs Python callbacks on "
-               "each bucket, which a replay skips: drop one of the two" if args.comm_hook != "none" else None,
-               "--cuda-graphs and --compile each make the step's kernels their own way and are not combined here: "
-               "give one of them" if args.compile else None]
+               "each bucket, which a replay skips: drop one of the two" if args.comm_hook != "none" else None]
     return next((reason for reason in reasons if reason), None)
 
 
@@ -87,6 +103,10 @@ class _CalledDirectly:
         self.replay = step
         step()
 
+    def reset(self) -> None:
+        """As a CUDA graph's reset: the step is let go."""
+        self.replay = None
+
 
 def _captured(step) -> torch.cuda.CUDAGraph:
     """The step recorded into a CUDA graph on the current stream (the one DDP was built on), then replayed once: a
@@ -103,7 +123,8 @@ class CapturedSteps:
     """A script's train_one_epoch(model, criterion, optimizer, loader, device, net, *extra), called the same way,
     with each step run from static buffers: the first WARMUP_STEPS eagerly, the next captured into a CUDA graph,
     every later one replayed from it (off the GPU each is called directly). Make it before DDP(...): on a GPU this
-    rank's work moves here to the stream the step is captured on."""
+    rank's work moves here to the stream the step is captured on. close() (release_captured_graphs at the script's
+    exit) lets go of the graph; a closed one refuses to step."""
 
     def __init__(self, train_one_epoch, device: torch.device):
         self.train_one_epoch, self.device = train_one_epoch, device
@@ -112,6 +133,8 @@ class CapturedSteps:
         self.images = self.targets = None  # the static input buffers, made like the first batch
         self.kept = _LossKept()
         self.rates, self.rate_values = None, None  # per parameter group: the tensor the step reads, its value
+        self.closed = False  # close() ran: the graph and the buffers are let go, no step runs again
+        _every_captured_steps.add(self)  # for release_captured_graphs at the script's exit
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
             stream.wait_stream(torch.cuda.current_stream(device))  # what was queued before (the model's copy)
@@ -119,6 +142,8 @@ class CapturedSteps:
 
     def __call__(self, model, criterion, optimizer, loader, device, net, *extra):
         """One pass over this rank's batches, as train_one_epoch makes it: each step from the static buffers."""
+        if self.closed:
+            raise RuntimeError("CapturedSteps called after close(): its graph is released; make a new one")
         for images, targets in loader:
             if self.images is None:
                 self.images, self.targets = torch.empty_like(images), torch.empty_like(targets)
@@ -135,6 +160,20 @@ class CapturedSteps:
             self.steps += 1
             if net.step_done(self.kept.loss):  # outside the graph: progress, stop agreement, checkpoints
                 return
+
+    def close(self) -> None:
+        """Let go of the graph and its private memory pool (the gradients keep their part of it until they go), and
+        of the static buffers, once the device has run every replay queued: a live graph keeps the NCCL communicator
+        it captured, which destroy_process_group then waits on forever. A second call does nothing."""
+        try:
+            if self.graph is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no replay still running in the memory about to be freed
+        finally:
+            if self.graph is not None:
+                self.graph.reset()  # now, not when the last reference goes (an error's traceback holds this object)
+            self.graph = self.images = self.targets = self.rates = self.rate_values = None
+            self.kept.loss = None
+            self.closed = True
 
     def _step(self, model, criterion, optimizer, device, extra) -> None:
         """train_one_epoch on the one batch of the static buffers, its optimizer reading the rate tensors."""
@@ -162,3 +201,13 @@ class CapturedSteps:
             if group["lr"] != self.rate_values[k]:
                 self.rates[k].fill_(group["lr"])
                 self.rate_values[k] = group["lr"]
+
+
+_every_captured_steps = weakref.WeakSet()  # each CapturedSteps this process made and still holds
+
+
+def release_captured_graphs() -> None:
+    """Close every CapturedSteps this process made (see close()): the scripts call it on every exit, just before
+    dist.destroy_process_group, which hangs on a communicator that a live graph captured."""
+    for steps in list(_every_captured_steps):
+        steps.close()

@@ -53,8 +53,7 @@ def this_process(args) -> Env:
     """This process's place in the job, from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE), and
     its device and backend. What dist.init_process_group reads from the environment (MASTER_ADDR, MASTER_PORT)
     is filled in where a start left it out: srun's tasks from SLURM's variables, a launcher that sets no
-    address from --ip/--port (and --local-rank), a plain `python script.py` as a world of one. With --cuda-graphs,
-    NCCL's asynchronous error handling is turned off, as torch's notes on DDP in a CUDA graph ask."""
+    address from --ip/--port (and --local-rank), a plain `python script.py` as a world of one."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     flags.check_address(args.ip)
@@ -72,8 +71,6 @@ def this_process(args) -> Env:
         # a world of one meets only itself, on any free port (0); else where the other processes were sent
         os.environ["MASTER_PORT"] = str(args.port or (29500 if world_size > 1 else 0))
     os.environ.setdefault("MASTER_PORT", str(args.port or 29500))
-    if getattr(args, "cuda_graphs", False):  # torch's notes for DDP in a CUDA graph: before the process group starts
-        os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "0"
     if device_type == "cuda" and local_rank >= torch.cuda.device_count():
         raise UsageError(f"local rank {local_rank} has no GPU of its own ({torch.cuda.device_count()} visible): "
                          f"{backend} needs one GPU per process; start fewer processes or use --device cpu")

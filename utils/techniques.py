@@ -79,9 +79,13 @@ def memory_format(args) -> torch.memory_format:
 
 
 def compile_if_asked(model: nn.Module, args) -> None:
-    """--compile: compile the model in place (nn.Module.compile keeps its state_dict keys and .module)."""
+    """--compile: compile the model in place (nn.Module.compile keeps its state_dict keys and .module), in
+    torch.compile's default mode: fused kernels, no CUDA graphs. With --cuda-graphs, inductor's own CUDA graphs stay
+    off even if TORCHINDUCTOR_CUDAGRAPHS=1 asks: utils/cuda_graphs.py captures the whole step around the compiled
+    kernels, and inductor's graphs (cudagraph trees) manage their memory in Python at each call, which a replay of
+    the outer graph skips."""
     if args.compile:
-        model.compile()
+        model.compile(options={"triton.cudagraphs": False} if getattr(args, "cuda_graphs", False) else None)
 
 
 def optimizer_options(args, optimizer_class) -> dict:
