@@ -6,6 +6,7 @@
     python -m benchmarks.run --quick --only seed        # the seed's four rows: DataParallel and DDP, +- mixed precision
     python -m benchmarks.run --quick --only peers       # DDP beside a plain tutorial loop and Lightning
     python -m benchmarks.run --only others              # every row that seed and peers leave out
+    python -m benchmarks.run --only "DDP + bfloat16, CUDA graphs" --only peers   # a whole name with commas, then more
 
 Each row runs a real script through its real launcher on CIFAR-100-shaped synthetic data for a
 fixed number of steps per epoch; the first epoch (start-up, compilation) is not counted and the
@@ -119,10 +120,11 @@ def rows(device: str) -> list[Row]:
         Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
             ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
              "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),
-        # the whole step replayed from one CUDA graph (utils/cuda_graphs.py), with and without SyncBatchNorm
+        # the whole step replayed from one CUDA graph (utils/cuda_graphs.py): with and without SyncBatchNorm, and
+        # with the model's kernels compiled (torch.compile's default mode) inside the graph
         *[Row(f"DDP + bfloat16, CUDA graphs{name}", "distributed_apex.py", "torchrun",
               ["--amp-dtype", "bfloat16", "--loader", "device", "--cuda-graphs", *extra], amp="bfloat16", gpu_only=True)
-          for name, extra in (("", []), (", no SyncBatchNorm", ["--no-sync-bn"]))],
+          for name, extra in (("", []), (", no SyncBatchNorm", ["--no-sync-bn"]), (", compiled", ["--compile"]))],
         # the techniques: each changes one flag of "DDP (torchrun)"
         Row("a host sync every step", "distributed.py", "torchrun", ["--print-freq", "1"], "technique"),
         Row("gradients copied into buckets", "distributed.py", "torchrun", ["--no-gradient-as-bucket-view"],
@@ -159,7 +161,8 @@ def ours_beside_peers(device: str) -> dict[str, str]:
     pairs = {"DDP (torchrun)": PLAIN_LOOP, "DDP + bfloat16 autocast": PLAIN_LOOP_BF16}
     if device == "cuda":  # our fastest path, in bfloat16
         pairs |= {"DDP + bfloat16, CUDA graphs": PLAIN_LOOP_BF16,
-                  "DDP + bfloat16, CUDA graphs, no SyncBatchNorm": PLAIN_LOOP_BF16}
+                  "DDP + bfloat16, CUDA graphs, no SyncBatchNorm": PLAIN_LOOP_BF16,
+                  "DDP + bfloat16, CUDA graphs, compiled": PLAIN_LOOP_BF16}
     if device == "cpu":
         pairs |= {"no SyncBatchNorm": PLAIN_LOOP, "DDP + bfloat16 autocast, no SyncBatchNorm": PLAIN_LOOP_BF16}
     return pairs
@@ -174,6 +177,25 @@ def keyword_rows(device: str) -> dict[str, set[str]]:
     peers = {r.name for r in rows(device) if r.table == "peer"} | set(ours_beside_peers(device))
     others = {r.name for r in rows(device)} - seed - peers | {"DDP (torchrun)"}
     return {"seed": seed, "peers": peers, "others": others}
+
+
+def rows_named(only: list[str] | None, device: str) -> list[Row] | str:
+    """The rows that the --only values name, in the order named (every row without --only), or why a text names
+    none. A value that is a whole row name or a keyword stands for itself, commas and all; any other value is split
+    at its commas, and each part is a keyword, a whole name (that row, not its namesakes) or a part of names."""
+    every, keywords = rows(device), keyword_rows(device)
+    if not only:
+        return every
+    names = {r.name for r in every}
+    texts = [text for value in only for text in ([value] if value in names | set(keywords) else value.split(","))]
+    wanted = {}
+    for text in texts:
+        named = [r for r in every if (r.name in keywords[text] if text in keywords else
+                                      r.name == text if text in names else text in r.name)]
+        if not named:
+            return f"--only {text!r} matches no row"
+        wanted |= {r.name: r for r in named if r.name not in wanted}
+    return list(wanted.values())
 
 
 def importable(module: str) -> bool:
@@ -574,11 +596,11 @@ def main(argv=None):
     parser.add_argument("--workers", type=flags.non_negative_int, default=None,
                         help="DataLoader workers per process; default: 0 on the CPU (the cores compute; two rows "
                              f"use {WORKERS}), 8 on GPU")
-    parser.add_argument("--only", default=None,
+    parser.add_argument("--only", action="append", default=None, metavar="ROWS",
                         help="run only the rows whose name contains this text, or the one row whose whole name "
-                             "it is (several: separated by commas; seed: the seed table's four rows; peers: the "
-                             "peers table and our rows beside it; others: the rows those two leave out, with DDP "
-                             "(torchrun))")
+                             "it is, in the order given (several: separated by commas, or --only again for a whole "
+                             "name that has commas; seed: the seed table's four rows; peers: the peers table and "
+                             "our rows beside it; others: the rows those two leave out, with DDP (torchrun))")
     parser.add_argument("--output-dir", default="runs/benchmark", help="where benchmark.md/.png/.json go")
     args = parser.parse_args(argv)
     if args.device == "auto":
@@ -595,13 +617,9 @@ def main(argv=None):
         parser.error("--epochs must be 2 or more: the first epoch is not counted")
     if args.batch_size % 4:
         parser.error("--batch-size must be divisible by 4 (the accumulation rows split it in 4 micro-batches)")
-    texts, keywords = (args.only.split(",") if args.only else []), keyword_rows(args.device)
-    names = {r.name for r in rows(args.device)}  # a whole name ("no SyncBatchNorm") is that row, not its namesakes
-    wanted = [r for r in rows(args.device) if not texts or any(
-        r.name in keywords[text] if text in keywords else r.name == text if text in names else text in r.name
-        for text in texts)]
-    if not wanted:
-        parser.error(f"--only {args.only!r} matches no row")
+    wanted = rows_named(args.only, args.device)
+    if isinstance(wanted, str):
+        parser.error(wanted)
     selected, left_out = [], []
     for r in wanted:
         reason = why_left_out(r, args)
@@ -617,9 +635,9 @@ def main(argv=None):
                             "no native bfloat16 instructions (AVX512-BF16 or AMX), so bfloat16 is emulated, some 18x "
                             "slower than float32; run without --quick to measure them anyway")
         if not selected and emulated:
-            parser.error(f"--only {args.only!r}: only bfloat16 rows, which --quick leaves out on this CPU")
+            parser.error(f"--only {','.join(args.only)!r}: only bfloat16 rows, which --quick leaves out on this CPU")
     if not selected:
-        parser.error(f"--only {args.only!r}: every row it names is left out here" +
+        parser.error(f"--only {','.join(args.only)!r}: every row it names is left out here" +
                      (f" ({' '.join(left_out)})" if left_out else ""))
     for line in left_out:
         print(line, flush=True)

@@ -269,10 +269,14 @@ def test_only_a_whole_row_name_selects_that_row_and_a_part_of_one_every_row_that
     bench.main(["--quick", "--device", "cpu", "--only", "no SyncBatchNorm,DDP (torchrun)", "--output-dir",
                 str(tmp_path / "whole")])
     rows = json.loads((tmp_path / "whole" / "benchmark.json").read_text())["rows"]
-    assert [r["name"] for r in rows] == ["DDP (torchrun)", "no SyncBatchNorm"]
+    assert [r["name"] for r in rows] == ["no SyncBatchNorm", "DDP (torchrun)"]  # in the order named
     bench.main(["--quick", "--device", "cpu", "--only", "no SyncBatch", "--output-dir", str(tmp_path / "part")])
     rows = json.loads((tmp_path / "part" / "benchmark.json").read_text())["rows"]
     assert [r["name"] for r in rows] == ["DDP + bfloat16 autocast, no SyncBatchNorm", "no SyncBatchNorm"]
+    # a whole name with commas in it is one --only value; the rows run in the order named, each once
+    named = bench.rows_named(["DDP + bfloat16, CUDA graphs", "seed,DDP (torchrun)"], "cuda")
+    assert [r.name for r in named] == ["DDP + bfloat16, CUDA graphs", *bench.seed_rows("cuda").values()]
+    assert bench.rows_named(["seed,no such row"], "cpu") == "--only 'no such row' matches no row"
 
 
 def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):

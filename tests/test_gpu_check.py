@@ -1,0 +1,87 @@
+"""python -m benchmarks.gpu_check: what the CPU can prove of the GPU check (its steps, limits, report and refusals);
+its steps themselves run on a lent GPU."""
+import json
+import sys
+
+import pytest
+import torch
+from conftest import run_main
+
+from benchmarks import gpu_check
+
+
+def test_dry_run_lists_every_step_with_its_limit_and_command(capsys):
+    gpu_check.main(["--dry-run"])
+    said = capsys.readouterr().out
+    for step in gpu_check.steps(gpu_check.Path("runs/gpu_check")):
+        assert f"{step.name}" in said and f"at most {step.limit_s:3d} s" in said
+    assert "--cuda-graphs" in said and "'DDP + bfloat16, CUDA graphs, compiled'" in said and "budget: 420 s" in said
+
+
+def test_the_steps_run_in_order_of_value_and_the_benchmark_names_whole_rows():
+    names = [s.name for s in gpu_check.steps(gpu_check.Path("out"))]
+    assert names[:2] == ["versions", "tests"] and names[-1] == "benchmark"
+    assert names.index("loader-waits") < names.index("job-eager") < names.index("job-cuda-graphs")
+    from benchmarks import run as bench
+    chosen = bench.rows_named(gpu_check.BENCHMARK_ROWS, "cuda")  # every value names a row: none is a typo
+    assert chosen[0].name == "plain tutorial DDP loop + bfloat16 autocast"
+    assert {r.name for r in chosen} == {r.name for r in bench.rows("cuda")}  # in the end, every row
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is visible: the check would run")
+@pytest.mark.parametrize(("argv", "says"), [([], "no GPU is visible"), (["--only", "nothing"], "names no step"),
+                                            (["--budget-s", "0"], "--budget-s")])
+def test_bad_input_and_no_gpu_are_one_line_and_exit_2(argv, says, tmp_path, capsys):
+    result = run_main(gpu_check.main, ["--output-dir", str(tmp_path / "out"), *argv], capsys)
+    assert result.returncode == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
+
+
+def fake_steps(out):
+    """Quick steps as the check runs them: one passes, one leaves a process behind, one overruns the budget, and
+    the last finds too little of it left."""
+    python = [sys.executable, "-c"]
+    return [gpu_check.Step("passes", 30, "prints its JSON", [*python, "print('{\"waits\": 0, \"batches\": 4, "
+                                                                      "\"where\": []}')"], read="waits"),
+            gpu_check.Step("orphan", 30, "leaves a sleeping child", [*python, "import subprocess, sys; subprocess."
+                                                                     "Popen([sys.executable, '-c', 'import time; "
+                                                                     "time.sleep(60)']); print('{}')"]),
+            gpu_check.Step("overruns", 60, "sleeps past the budget", [*python, "import time; time.sleep(60)"]),
+            gpu_check.Step("late", 30, "starts with too little of the budget left", [*python, "print('{}')"])]
+
+
+def test_a_step_past_its_limit_is_stopped_what_it_leaves_is_killed_and_the_report_follows_each_step(
+        monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(gpu_check, "steps", fake_steps)
+    monkeypatch.setattr(gpu_check, "GRACE_S", 2)
+    monkeypatch.setattr(gpu_check, "MIN_STEP_S", 5)  # the overrun is stopped when the budget is spent: none is left
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    result = run_main(gpu_check.main, ["--output-dir", str(tmp_path), "--budget-s", "12"], capsys)
+    assert result.returncode == 1
+    report = json.loads((tmp_path / "report.json").read_text())
+    passes, orphan, overruns, late = report["steps"]
+    assert passes["ok"] and passes["summary"] == "0 host wait(s) in 4 batches"
+    assert not overruns["ok"] and overruns["timed_out"] and "stopped at its limit of" in overruns["summary"]
+    assert not orphan["ok"] and len(orphan["left_running"]) == 1 and "left running, killed" in orphan["summary"]
+    assert late.get("skipped") and "not started" in late["summary"]
+    table = (tmp_path / "report.md").read_text()
+    assert "| passes | prints its JSON | ok: 0 host wait(s) in 4 batches |" in table and "**FAILED**" in table
+    assert "===== overruns" in (tmp_path / "log.txt").read_text()
+    assert report["unfinished"] is None
+
+
+def test_the_readers_turn_each_steps_output_into_one_line(tmp_path):
+    records = [{"images_per_s": 10000.0 * k, "train_loss": 4.0 - k, "test_loss": 4.1 - k, "top1": k,
+                "epoch_time_s": 6.0 / k, "peak_memory_mb": 900} for k in (1, 2, 4)]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    job = gpu_check.read_job("", tmp_path)
+    assert job["ok"] and job["found"]["s_per_epoch"] == [2.5, 1.25]
+    assert job["summary"] == "1.25 s per 50,000-image epoch (epochs 2-3: 2.50, 1.25); train_loss 3.000, 2.000, 0.000"
+    pytest_output = "PASSED tests/test_gpu.py::test_a\nFAILED tests/test_gpu.py::test_b - AssertionError: no\n" \
+                    "==== 1 failed, 1 passed, 3 deselected in 12.5s ====\n"
+    tests = gpu_check.read_pytest(pytest_output, tmp_path)
+    assert not tests["ok"] and tests["failures"] == ["FAILED tests/test_gpu.py::test_b: AssertionError: no"]
+    assert tests["summary"] == "1 failed, 1 passed, 3 deselected"
+    (tmp_path / "host_reads.txt").write_text("2 item of torch.float32 at safety_net:10\n")
+    assert gpu_check.read_waits("", tmp_path)["summary"].startswith("2 host read(s) or wait(s)")
+
