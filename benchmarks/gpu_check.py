@@ -44,6 +44,8 @@ GRAPH_WAITS_JOB = [*JOB[:2], "--train-samples", "8192", "--test-samples", "512",
 BENCHMARK_ROWS = ["plain tutorial DDP loop + bfloat16 autocast", "Lightning Trainer, DDP, bf16-mixed",
                   "DDP + bfloat16, CUDA graphs, compiled", "DDP + bfloat16, CUDA graphs", "seed", "DDP (spawn)",
                   "DDP + bfloat16 autocast", "FSDP + bfloat16 policy", "bare step, CUDA graphs", "peers", "others"]
+# how torch.cuda.set_sync_debug_mode("warn") words each host wait (not its notice that the mode is a prototype)
+SYNC_WARNING = "called a synchronizing CUDA operation"
 GRACE_S = 20  # what a step stopped at its limit gets to exit after SIGTERM (the benchmark writes its tables)
 MIN_STEP_S = 30  # a step is not started with less time than this left in the check's budget
 
@@ -160,7 +162,8 @@ def read_exit(output: str, tmp: Path) -> dict:
 
 def read_pytest(output: str, tmp: Path) -> dict:
     outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$", output, re.M)
-    totals = re.findall(r"^=+ (.*(?:passed|failed|error|skipped|deselected).*) in [\d.]+s", output, re.M)
+    # the last line of pytest -q: "11 passed, 3 skipped in 174.29s (0:02:54)" (between ='s without -q)
+    totals = re.findall(r"^=* ?(\d+ (?:passed|failed|error|skipped|deselected).*?) in [\d.]+s", output, re.M)
     summary = totals[-1] if totals else last_lines(output)
     failed = [f"{status} {test}" + (f": {why[:200]}" if why else "") for status, test, why in outcomes
               if status in ("FAILED", "ERROR")]
@@ -265,7 +268,7 @@ def inner_loader_waits() -> dict:
                 batches += sum(1 for _ in loader)
             torch.cuda.set_sync_debug_mode("default")
         waits += [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno} {str(w.message)[:80]}" for w in caught
-                  if "synchroniz" in str(w.message)]
+                  if SYNC_WARNING in str(w.message)]
     torch.cuda.synchronize()
     return {"waits": len(waits), "batches": batches, "where": sorted(set(waits))}
 

@@ -67,7 +67,7 @@ class SyncWaits:
         torch.cuda.set_sync_debug_mode("warn" if on else "default")
 
     def seen(self, message, category, filename, lineno, file=None, line=None):
-        if "synchroniz" not in str(message):
+        if "called a synchronizing CUDA operation" not in str(message):  # not the mode's notice that it is new
             return self.shown(message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()
         if any(frame.name == "_captured" for frame in stack):  # the capture, once a run

@@ -82,6 +82,27 @@ def test_the_readers_turn_each_steps_output_into_one_line(tmp_path):
     tests = gpu_check.read_pytest(pytest_output, tmp_path)
     assert not tests["ok"] and tests["failures"] == ["FAILED tests/test_gpu.py::test_b: AssertionError: no"]
     assert tests["summary"] == "1 failed, 1 passed, 3 deselected"
+    quiet = "PASSED tests/test_gpu.py::test_a\nSKIPPED [1] tests/test_gpu.py:57: needs 2 GPUs\n" \
+            "11 passed, 3 skipped in 174.29s (0:02:54)\n"  # pytest -q's last line, as a lent H200 printed it
+    assert gpu_check.read_pytest(quiet, tmp_path) | {"tests": None} == {
+        "ok": True, "summary": "11 passed, 3 skipped", "tests": None, "failures": []}
     (tmp_path / "host_reads.txt").write_text("2 item of torch.float32 at safety_net:10\n")
     assert gpu_check.read_waits("", tmp_path)["summary"].startswith("2 host read(s) or wait(s)")
 
+
+
+def test_only_the_host_waits_are_counted_not_the_debug_modes_notice(monkeypatch):
+    """torch.cuda.set_sync_debug_mode("warn") first warns that it is a prototype (a lent H200 counted that notice
+    as a wait); each wait it finds is worded "called a synchronizing CUDA operation"."""
+    import collections
+    import warnings
+
+    import script_driver
+    reads = collections.Counter()
+    with warnings.catch_warnings():
+        monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # put back after the test
+        script_driver.SyncWaits(reads)
+        warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
+                      "synchronizing operations", UserWarning, stacklevel=1)
+        warnings.warn(f"{gpu_check.SYNC_WARNING} (function copy_kernel_cuda)", UserWarning, stacklevel=1)
+    assert list(reads.values()) == [1] and "called a synchronizing CUDA operation" in next(iter(reads))

@@ -36,7 +36,10 @@ class DeviceTrainLoader:
     def epoch(self, epoch: int, start_step: int = 0):
         """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
         self.sampler.start(epoch, start_step, self.per_rank_batch)
-        order = torch.tensor(list(self.sampler), dtype=torch.long).to(self.images.device)
+        order = torch.tensor(list(self.sampler), dtype=torch.long)
+        if self.images.is_cuda:  # from pinned memory the copy is queued, not waited for (the host runs ahead)
+            order = order.pin_memory()
+        order = order.to(self.images.device, non_blocking=True)
         b = self.per_rank_batch  # the last partial batch is dropped, as TrainLoader's drop_last does
         return (self.batch(order[k:k + b], epoch) for k in range(0, len(order) - b + 1, b))
 
