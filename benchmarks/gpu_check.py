@@ -308,7 +308,8 @@ def main(argv=None):
         parser.error("no GPU is visible: this check measures the GPU path (--dry-run lists its steps)")
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
-    report = {"command": "python -m benchmarks.gpu_check " + " ".join(sys.argv[1:] if argv is None else argv),
+    given = sys.argv[1:] if argv is None else argv
+    report = {"command": shlex.join(["python", "-m", "benchmarks.gpu_check", *given]),
               "versions": [], "steps": [], "unfinished": "no step has finished yet"}
     with open(out / "log.txt", "w") as log:
         for k, step in enumerate(chosen):

@@ -39,6 +39,7 @@ import json
 import os
 import platform
 import re
+import shlex
 import signal
 import statistics
 import subprocess
@@ -454,13 +455,11 @@ def markdown(results: dict) -> str:
             rate, peak = r["images_per_s"], meta["peak_tflops"].get(r["amp"] or "float32")
             tflops = rate * meta["flops_per_image"] / 1e12
             ideal_rate = meta["ideal"].get(r["amp"] or "float32", {}).get("images_per_s")
-            lines.append(
-                f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
-                f"| {rate / ideal_rate:.2f} | {rate / base['images_per_s']:.2f} "
-                f"| {r['peak_memory_mb']:.0f} | {tflops:.3g} ({100 * tflops / peak:.0f}%) |"
-                if ideal_rate and base and peak else
-                f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} | | "
-                f"| {r['peak_memory_mb']:.0f} | {tflops:.3g} |")
+            versus_ideal = f"{rate / ideal_rate:.2f}" if ideal_rate else ""  # each left blank where not measured
+            versus_ddp = f"{rate / base['images_per_s']:.2f}" if base else ""
+            share = f" ({100 * tflops / peak:.0f}%)" if peak else ""
+            lines.append(f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
+                         f"| {versus_ideal} | {versus_ddp} | {r['peak_memory_mb']:.0f} | {tflops:.3g}{share} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -646,7 +645,7 @@ def main(argv=None):
 
     meta = {"hardware": hardware(args.device, args.nprocs), "device": args.device, "nprocs": args.nprocs,
             "batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs,
-            "command": "python -m benchmarks.run " + " ".join(sys.argv[1:] if argv is None else argv),
+            "command": shlex.join(["python", "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
             "flops_per_image": flops_per_image(),
             "ideal": {}, "peak_tflops": {}, "left_out": left_out}
     print(f"{meta['hardware']}; {len(selected)} rows", flush=True)
