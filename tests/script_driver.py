@@ -70,7 +70,7 @@ class SyncWaits:
         if "called a synchronizing CUDA operation" not in str(message):  # not the mode's notice that it is new
             return self.shown(message, category, filename, lineno, file, line)
         stack = traceback.extract_stack()
-        if any(frame.name == "_captured" for frame in stack):  # the capture, once a run
+        if any(frame.name == "_capture" for frame in stack):  # the capture, once a run
             return
         ours = [f for f in stack if str(ROOT) in f.filename and __file__ != f.filename]
         where = f"{Path(ours[-1].filename).name}:{ours[-1].lineno}" if ours else f"{Path(filename).name}:{lineno}"

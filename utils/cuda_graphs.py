@@ -38,6 +38,7 @@ Every exit of a script, an error's included, releases the graph before the proce
 communicator that a live graph captured, and the process would hang there (pytorch/pytorch#115388), while an
 error's traceback keeps the graph alive until the process ends.
 """
+import contextlib
 import weakref
 
 import torch
@@ -109,15 +110,13 @@ class _CalledDirectly:
         self.replay = None
 
 
-def _captured(step) -> torch.cuda.CUDAGraph:
-    """The step recorded into a CUDA graph on the current stream (the one DDP was built on), then replayed once: a
+def _capture(graph: torch.cuda.CUDAGraph, step) -> None:
+    """The step recorded into `graph` on the current stream (the one DDP was built on), then replayed once: a
     capture records the kernels without running them."""
-    graph = torch.cuda.CUDAGraph()
     # thread_local: NCCL's watchdog thread may query its events while this thread captures
     with torch.cuda.graph(graph, stream=torch.cuda.current_stream(), capture_error_mode="thread_local"):
         step()
     graph.replay()
-    return graph
 
 
 class CapturedSteps:
@@ -156,8 +155,13 @@ class CapturedSteps:
             elif self.steps < WARMUP_STEPS:
                 self._step(model, criterion, optimizer, device, extra)
             else:
-                capture = _captured if self.device.type == "cuda" else _CalledDirectly
-                self.graph = capture(lambda: self._step(model, criterion, optimizer, device, extra))
+                def step():
+                    self._step(model, criterion, optimizer, device, extra)
+                if self.device.type == "cuda":
+                    self.graph = torch.cuda.CUDAGraph()  # held first: an error in the capture leaves it to close()
+                    _capture(self.graph, step)
+                else:
+                    self.graph = _CalledDirectly(step)
             self.steps += 1
             if net.step_done(self.kept.loss):  # outside the graph: progress, stop agreement, checkpoints
                 return
@@ -166,15 +170,16 @@ class CapturedSteps:
         """Let go of the graph and its private memory pool (the gradients keep their part of it until they go), and
         of the static buffers, once the device has run every replay queued: a live graph keeps the NCCL communicator
         it captured, which destroy_process_group then waits on forever. A second call does nothing."""
-        try:
-            if self.graph is not None and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # no replay still running in the memory about to be freed
-        finally:
-            if self.graph is not None:
-                self.graph.reset()  # now, not when the last reference goes (an error's traceback holds this object)
-            self.graph = self.images = self.targets = self.rates = self.rate_values = None
-            self.kept.loss = None
-            self.closed = True
+        if self.graph is not None and self.device.type == "cuda":
+            # no replay still running in the memory about to be freed; a device that failed (a sticky CUDA error)
+            # raises here again, and the run's own error, already on its way, is the one to report
+            with contextlib.suppress(RuntimeError):
+                torch.cuda.synchronize(self.device)
+        if self.graph is not None:
+            self.graph.reset()  # now, not when the last reference goes (an error's traceback holds this object)
+        self.graph = self.images = self.targets = self.rates = self.rate_values = None
+        self.kept.loss = None
+        self.closed = True
 
     def _step(self, model, criterion, optimizer, device, extra) -> None:
         """train_one_epoch on the one batch of the static buffers, its optimizer reading the rate tensors."""
