@@ -131,7 +131,8 @@ class SafetyNet:
     def arm(self, env) -> None:
         """Every rank, once the process group exists (collective: makes the stop agreement's gloo group)."""
         self.env = env
-        self.stop.arm(env.world_size)
+        # on the CPU the ranks meet at every step (DDP over gloo): a stop there waits for no further step
+        self.stop.arm(env.world_size, one_step=env.device.type == "cpu", is_main=env.is_main)
 
     def _checkpoints(self, precision, parts: dict):
         kind = ShardedCheckpoint if self.options.sharded else checkpoints.Checkpoint
@@ -152,6 +153,7 @@ class SafetyNet:
         checkpoint, or the weights of --init-from for a new run. Returns the epoch to start at.
         precision: the autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
         self.checkpoint = self._checkpoints(precision, parts)
+        self.stop.checkpoint_path = self.checkpoint.path  # what a stop that leaves at once says it keeps
         self.start_at = self.checkpoint.resume()
         self.steps_per_epoch = steps_per_epoch
         self.log = metrics_log.MetricsLog(self.options.output_dir, is_main=self.env.is_main,
@@ -202,6 +204,7 @@ class SafetyNet:
                                       lr=self.options.lr,
                                       start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log,
                                       note=self.progress_note)
+        self.stop.epoch_starts(epoch, start_step, self.steps_per_epoch)  # where a stop lands, the step clock
         return start_step
 
     def step_done(self, loss: torch.Tensor) -> bool:

@@ -167,13 +167,18 @@ def storage_error(path: str, reason: str, needed: str, sharded: bool = False) ->
     return StorageError(f"could not write {path} ({reason}; {needed}, {free / 2**20:.0f} MB are free there); {intact}")
 
 
+def temporary_path(path: str) -> str:
+    """Where this process writes `path` before renaming it (save_atomic); a stop that leaves at once removes it."""
+    return f"{path}.{os.getpid()}.tmp"
+
+
 def save_atomic(state: dict, path: str, keep: int | None = None) -> None:
     """Write to a temporary file of this process, flush it to disk, then rename it to `path`; with `keep`,
     `path` is a run's checkpoint.pt and the older ones move down (rotate_in). A crash leaves every earlier
     file whole. A failed write (full disk, I/O error, read-only file system) removes the temporary file and
     raises StorageError, saying how much room was needed."""
     directory = os.path.dirname(os.path.abspath(path))
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = temporary_path(path)
     try:
         with open(tmp, "wb") as f:
             written = _WritesRemembered(f)

@@ -309,7 +309,7 @@ def test_a_cpu_float16_checkpoint_continues_with_another_optimizer_impl(tmp_path
     """Resumed at an epoch's last step (the stop lands there), with --optimizer-impl fused instead of
     for-loop and float16 loss scaling on: the run continues, quietly, to its end. The signal comes after the
     last step, so the evaluation gives way and the ranks agree there: no float16 step (11 s on a CPU that
-    emulates it) stands between the signal and the checkpoint, whose grace is 25 s."""
+    emulates it) stands between the signal and the checkpoint."""
     # one step per epoch: each float16 step costs seconds on a CPU without float16 arithmetic
     small = ["--dataset", "synthetic", "--train-samples", "4", "--test-samples", "2", "--batch-size", "4",
              "--epochs", "2", "--workers", "0", "--print-freq", "1", "--amp-dtype", "float16",

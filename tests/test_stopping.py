@@ -1,6 +1,8 @@
 """Stop signals, a launcher killed outright, and divergence: every rank stops at the same step with a
 checkpoint, no process is left, and the same command continues to the weights of a run never stopped."""
 import os
+import re
+import shutil
 import signal
 import stat
 import subprocess
@@ -14,6 +16,7 @@ from conftest import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 from distributed_helpers import on_ranks
 from processes import Run, alive, process_tree, rank_process
 
+from safety_net import stopping
 from safety_net.stopping import StopSignals
 from utils import metrics
 from utils.spawn import free_port
@@ -86,6 +89,9 @@ def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, refere
     else:  # torchrun reports its workers' exit status 128 + N as a failure, or dies of the signal itself
         assert status != 0, started.output
     assert seconds < 30  # torchrun and SLURM send SIGKILL 30 s after SIGTERM
+    if not how.startswith("one worker"):  # rank 0 got the signal too: it said at once where the run would stop
+        assert f"{signal.Signals(signum).name}: stopping after step" in started.text, started.output
+    assert "warning: a step takes" not in started.text  # these steps fit torchrun's 30 s before SIGKILL
     if how in CONTINUED:
         assert_continues_to_the_reference(cmd, tmp_path, reference, line)
     else:
@@ -147,6 +153,123 @@ def test_a_launcher_killed_outright_leaves_no_rank_running(kind, tmp_path):
     assert "stopped by the launcher's exit" in started.text, started.output
 
 
+def copy_with_slow_steps(folder: Path, step_s: float | str, floor_s: float | None = None) -> Path:
+    """The scripts and their packages copied into `folder`, each training step `step_s` seconds slower (the script's
+    loop sleeps after the optimizer's step: a busy machine, a bigger batch; an expression of the loop's names, for a
+    rank that hangs). floor_s: the copy's safety_net.stopping.FLOOR_S, the least a stop waits before it calls the
+    run stuck."""
+    copy = folder / "slow"
+    copy.mkdir()
+    for script in ("distributed.py", "distributed_mp.py"):
+        text = (ROOT / script).read_text().replace("import sys\n", "import sys\nimport time\n", 1)
+        (copy / script).write_text(text.replace("        optimizer.step()\n", "        optimizer.step()\n"
+                                                f"        time.sleep({step_s})  # a slow step\n", 1))
+    for package in ("utils", "safety_net"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    if floor_s is not None:
+        path = copy / "safety_net" / "stopping.py"
+        path.write_text(re.sub(r"^FLOOR_S = \d+", f"FLOOR_S = {floor_s}", path.read_text(), count=1, flags=re.M))
+    return copy
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_ctrl_c_waits_for_a_step_slower_than_the_floor_and_the_same_command_continues(reference, tmp_path):
+    # steps of 3 s against a floor of 1 s: a fixed wait as long as the floor (the old 25 s, in this test's seconds)
+    # would leave without a checkpoint; the wait follows the steps instead
+    slow = copy_with_slow_steps(tmp_path, step_s=3, floor_s=1)
+    out = tmp_path / "out"
+    flags = RUN + ["--workers", "0", "--output-dir", str(out)]
+    started = Run([sys.executable, str(slow / "distributed_mp.py"), "--nprocs", "2", *flags])
+    started.wait_for("epoch 1/1 step 1/6")
+    time.sleep(0.5)  # step 2 under way
+    os.killpg(started.proc.pid, signal.SIGINT)  # Ctrl-C: every process gets it, and the ranks also the parent's copy
+    started.wait_for("SIGINT: stopping after step 2/6 of epoch 1")
+    status, seconds = started.finish()
+    print(f"\nCtrl-C during 3 s steps: {seconds:.1f} s from the announcement to the last process gone")
+    line = stop_line(started.text)
+    assert status == 130 and "stopped by SIGINT at epoch 1, step 2/6" in line, started.output
+    assert "second SIGINT" not in started.text  # the parent's copy of the one Ctrl-C is no second one
+    assert_continues_to_the_reference(launcher("spawn", "distributed_mp.py") + flags, out, reference, line)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_leaves_at_once_with_the_last_checkpoint_and_no_process(tmp_path):
+    slow = copy_with_slow_steps(tmp_path, step_s=6)
+    out = tmp_path / "out"
+    # a checkpoint after every step, and a DataLoader worker per rank: none may be left behind
+    started = Run([sys.executable, str(slow / "distributed_mp.py"), "--nprocs", "2", *RUN, "--workers", "1",
+                   "--save-every-steps", "1", "--output-dir", str(out)])
+    started.wait_for("epoch 1/1 step 1/6")
+    time.sleep(1)  # step 1's checkpoint written, step 2 under way
+    os.killpg(started.proc.pid, signal.SIGINT)
+    started.wait_for("SIGINT: stopping after step 2/6 of epoch 1")
+    time.sleep(stopping.REPEAT_S + 0.5)  # a second Ctrl-C, not a copy of the first
+    os.killpg(started.proc.pid, signal.SIGINT)
+    status, seconds = started.finish(timeout=30)  # every process gone, or the test fails naming them
+    print(f"\na second Ctrl-C: {seconds:.1f} s to the last process gone")
+    lines = [line for line in started.text.splitlines() if "second SIGINT" in line]
+    assert status == 130 and seconds < 5 and len(lines) == 1, started.output
+    assert lines[0].endswith(f"left at once without a new checkpoint; the last one, {out / 'checkpoint.pt'}, is kept")
+    assert "stopped by SIGINT at" not in started.text and "Traceback" not in started.text, started.output
+    assert load_checkpoint(out)["step"] == 1 and not list(out.glob("*.tmp"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_steps_too_slow_for_torchruns_sigkill_are_told_at_the_start_and_a_sigterm_ends_before_it(tmp_path):
+    slow = copy_with_slow_steps(tmp_path, step_s=3)
+    out = tmp_path / "out"
+    # torchrun sends SIGKILL 4 s after passing a signal on: no 3 s step and its checkpoint fit in that
+    started = Run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   "--shutdown-timeout", "4", str(slow / "distributed.py"), *RUN, "--workers", "0",
+                   "--output-dir", str(out)])
+    started.wait_for("warning: a step takes about")  # at the second step: the first is the warm-up
+    os.kill(started.proc.pid, signal.SIGTERM)  # to the agent, as a scheduler does
+    status, seconds = started.finish()
+    print(f"\nSIGTERM under torchrun --shutdown-timeout 4: {seconds:.1f} s to the last process gone")
+    text = started.text
+    warnings = [line for line in text.splitlines() if "warning: a step takes" in line]
+    assert len(warnings) == 1 and "torchrun sends SIGKILL 4 s after a signal (its --shutdown-timeout)" in warnings[0]
+    assert "--shutdown-timeout" in warnings[0] and "--save-every-steps" in warnings[0], warnings[0]
+    errors = [line for line in text.splitlines() if line.startswith("distributed.py: error:")]
+    assert len(errors) == 1 and "did not save its step within 2 s, and torchrun sends SIGKILL 4 s after the " \
+        "signal" in errors[0], started.output
+    assert status != 0 and seconds < 4 and "forcefully exiting" not in text, started.output  # no SIGKILL came
+    assert not (out / "checkpoint.pt").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_stop_ends_a_run_whose_rank_hangs_and_says_so(tmp_path):
+    # rank 1 hangs in step 3 (rank 0 waits for it in the next collective); a floor of 2 s, not 60
+    slow = copy_with_slow_steps(tmp_path, "600 if dist.get_rank() == 1 and net.progress.step == 2 else 0", 2)
+    out = tmp_path / "out"
+    started = Run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                   str(slow / "distributed.py"), *RUN, "--workers", "0", "--save-every-steps", "1",
+                   "--output-dir", str(out)])
+    started.wait_for("epoch 1/1 step 2/6")
+    time.sleep(2)  # step 2's checkpoint written, rank 1 hanging
+    os.kill(started.proc.pid, signal.SIGINT)
+    status, seconds = started.finish()
+    print(f"\na rank hangs: {seconds:.1f} s from SIGINT to the last process gone")
+    errors = [line for line in started.text.splitlines() if line.startswith("distributed.py: error:")]
+    assert len(errors) == 1 and re.search(r"the run is stuck: nothing finished within \d+ s after SIGINT \(a step "
+                                          r"takes about [\d.]+ s; a rank hangs\)", errors[0]), started.output
+    assert errors[0].endswith(f"exiting without a new checkpoint, the last one, {out / 'checkpoint.pt'}, is kept")
+    assert status != 0 and seconds < 10 and "stopped by SIGINT at" not in started.text, started.output
+    assert load_checkpoint(out)["step"] == 2
+
+
+def test_torchruns_wait_before_sigkill_is_read_as_torchrun_reads_it():
+    agent = ["python", "-m", "torch.distributed.run", "--nproc_per_node=2", "--shutdown-timeout", "90", "train.py"]
+    assert stopping.torchrun_shutdown_timeout(agent, {}) == 90
+    assert stopping.torchrun_shutdown_timeout(["torchrun", "--shutdown_timeout=45", "train.py"], {}) == 45
+    assert stopping.torchrun_shutdown_timeout(["torchrun", "train.py"], {"PET_SHUTDOWN_TIMEOUT": "60"}) == 60
+    assert stopping.torchrun_shutdown_timeout(["torchrun", "train.py"], {}) == 30  # torchrun's default
+
+
 @pytest.mark.slow
 def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     # at --lr 1e8 the loss is finite for two steps, then NaN; a checkpoint after every step
@@ -179,10 +302,10 @@ def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
     assert (tmp_path / "checkpoint.pt").read_bytes() == before
 
 
-def agree_after_a_signal_to_rank_1(rank, world_size):
+def agree_after_a_signal_to_rank_1(rank, world_size, one_step):
     """Rank 1 receives SIGUSR1 between two polls; returns the poll at which each rank saw the agreement."""
     stop = StopSignals()
-    stop.arm(world_size)
+    stop.arm(world_size, one_step=one_step, is_main=False)
     for poll in range(20):
         if poll == 3 and rank == 1:
             os.kill(os.getpid(), signal.SIGUSR1)
@@ -193,16 +316,18 @@ def agree_after_a_signal_to_rank_1(rank, world_size):
     return None, ""
 
 
-def test_the_ranks_agree_on_the_same_step(tmp_path):
-    results = on_ranks(3, agree_after_a_signal_to_rank_1, results_dir=tmp_path)
-    assert results == [(4, "SIGUSR1")] * 3  # read at the poll after the one that carried it
+@pytest.mark.parametrize("one_step", [False, True])
+def test_the_ranks_agree_on_the_same_step(one_step, tmp_path):
+    results = on_ranks(3, agree_after_a_signal_to_rank_1, one_step, results_dir=tmp_path)
+    # one_step (the CPU): at the poll that carried it; else read at the poll after it
+    assert results == [(3 if one_step else 4, "SIGUSR1")] * 3
 
 
 def evaluate_with_a_signal_to_rank_1(rank, world_size, signalled: bool):
     """Between epochs: an agreement in flight from the last step, then the evaluation, in which rank 1 alone
     knows of a signal and leaves, then the agreement every rank calls. Returns what each rank saw."""
     stop = StopSignals()
-    stop.arm(world_size)
+    stop.arm(world_size, is_main=False)
     stop.agreed()  # the last training step's all-reduce, still in flight
     if signalled and rank == 1:
         os.kill(os.getpid(), signal.SIGUSR1)
