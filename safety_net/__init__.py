@@ -30,7 +30,7 @@ import os
 import torch
 
 from safety_net import checkpoint as checkpoints
-from safety_net import metrics_log, stopping
+from safety_net import metrics_log, profiling, stopping
 from safety_net.progress import EpochProgress
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from utils import flags
@@ -41,13 +41,14 @@ class SafetyNet:
     """One run's checkpoints, stop signals, progress and metrics; every value it needs is given to it."""
 
     def __init__(self, script: str, options: checkpoints.Options, *, print_freq: int = 50, tensorboard: bool = False,
-                 watch_launcher: bool = False):
+                 watch_launcher: bool = False, profile_steps: int | None = None):
         """Catches SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 from now on: make it first, in every process of the run.
 
         script: the training script's path, recorded in each checkpoint (one continues only its own run).
         options: what the checkpoints are told (where, the values that define the run, resume or restart, ...).
         print_freq: a progress line every N steps. tensorboard: also write TensorBoard events.
-        watch_launcher: also stop when the process that started this one dies (torchrun's agent, the spawn parent)."""
+        watch_launcher: also stop when the process that started this one dies (torchrun's agent, the spawn parent).
+        profile_steps: record that many steps with torch.profiler (safety_net/profiling.py); None: no profiler."""
         self.script, self.options = script, options
         self.print_freq, self.tensorboard = print_freq, tensorboard
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
@@ -55,6 +56,7 @@ class SafetyNet:
         self.start_at = (0, 0)  # (epoch, step) the run continues from
         self.steps_per_epoch = 0
         self.progress_note = None  # note_in_progress_lines
+        self.profile_steps, self.profiler = profile_steps, None  # made by arm() when asked for
 
     @staticmethod
     def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
@@ -86,6 +88,7 @@ class SafetyNet:
         ckpt.add_argument("--tensorboard", action="store_true",
                           help="also write the metrics as TensorBoard events into <output-dir>/tensorboard "
                                "(needs the tensorboard package); view with: tensorboard --logdir <output-dir>")
+        profiling.add_flag(ckpt)  # --profile-steps
         parser.checks.append(_tensorboard_missing)
         parser.checks.append(_init_from_conflicts)
 
@@ -97,7 +100,7 @@ class SafetyNet:
         # torchrun's agent (it sets TORCHELASTIC_RUN_ID) or mp.spawn's parent waits for this process
         watch_launcher = "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None
         return cls(script, checkpoints.Options.from_flags(args, sharded), print_freq=args.print_freq,
-                   tensorboard=args.tensorboard, watch_launcher=watch_launcher)
+                   tensorboard=args.tensorboard, watch_launcher=watch_launcher, profile_steps=args.profile_steps)
 
     @staticmethod
     def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
@@ -109,6 +112,7 @@ class SafetyNet:
         if not options.evaluate:
             checkpoints.check_output_dir_free(options.output_dir)
         checkpoints.check_before_start(options, script)
+        profiling.check_before_start(args)  # --profile-steps: <output-dir>/profile can be written
 
     @staticmethod
     def check_flags_before_spawn(args, script: str) -> None:
@@ -133,6 +137,9 @@ class SafetyNet:
         self.env = env
         # on the CPU the ranks meet at every step (DDP over gloo): a stop there waits for no further step
         self.stop.arm(env.world_size, one_step=env.device.type == "cpu", is_main=env.is_main)
+        if self.profile_steps:
+            folder = os.path.join(self.options.output_dir, profiling.FOLDER)
+            self.profiler = profiling.StepProfiler(self.profile_steps, folder, env.rank, env.device.type)
 
     def _checkpoints(self, precision, parts: dict):
         kind = ShardedCheckpoint if self.options.sharded else checkpoints.Checkpoint
@@ -159,6 +166,9 @@ class SafetyNet:
         self.log = metrics_log.MetricsLog(self.options.output_dir, is_main=self.env.is_main,
                                           done_epochs=self.start_at[0], done_steps=self.start_at[1],
                                           steps_per_epoch=steps_per_epoch, tensorboard=self.tensorboard)
+        if self.profiler:  # the profiled steps and their warm-up must fit in the steps left
+            steps_left = (self.options.epochs - self.start_at[0]) * steps_per_epoch - self.start_at[1]
+            profiling.check_steps_left(self.profile_steps, steps_left, steps_per_epoch)
         if self.start_at[0] == self.options.epochs and self.env.is_main:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
         return self.start_at[0]
@@ -205,6 +215,8 @@ class SafetyNet:
                                       start_step=start_step, epoch_loss=self.checkpoint.epoch_loss, log=self.log,
                                       note=self.progress_note)
         self.stop.epoch_starts(epoch, start_step, self.steps_per_epoch)  # where a stop lands, the step clock
+        if self.profiler:  # --profile-steps: from the first step on (only the first call starts it)
+            self.profiler.start()
         return start_step
 
     def step_done(self, loss: torch.Tensor) -> bool:
@@ -212,6 +224,8 @@ class SafetyNet:
         group of its own, the loss every --print-freq steps, a checkpoint every --save-every-steps). The loss is
         summed on the device; a non-finite one stops the run (Diverged). True once every rank knows of a stop
         signal: leave the epoch's loop."""
+        if self.profiler:  # --profile-steps: the step ends here in the trace; the last recorded one writes it
+            self.profiler.step()
         progress = self.progress
         progress.record(loss)
         if self.stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
@@ -259,6 +273,10 @@ class SafetyNet:
         self.stop.finish()
         if self.progress is not None and self.progress.bar:
             self.progress.bar.close()
+        if self.profiler:  # every rank wrote its trace before the barrier above
+            self.profiler.close()
+            if self.env.is_main:
+                print(self.profiler.last_line(self.options.output_dir, self.env.world_size), flush=True)
         return 0
 
 
