@@ -112,7 +112,7 @@ class SafetyNet:
         if not options.evaluate:
             checkpoints.check_output_dir_free(options.output_dir)
         checkpoints.check_before_start(options, script)
-        profiling.check_before_start(args)  # --profile-steps: <output-dir>/profile can be written
+        profiling.check_before_start(args.profile_steps, options.evaluate, options.output_dir)  # --profile-steps
 
     @staticmethod
     def check_flags_before_spawn(args, script: str) -> None:

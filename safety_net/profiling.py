@@ -27,14 +27,14 @@ def add_flag(group) -> None:
                             f"CPU), and 1-3 MB of trace per rank and step, written in well under a second")
 
 
-def check_before_start(args) -> None:
-    """Before any process starts (a UsageError): --profile-steps has training steps to record, and
-    <output-dir>/profile can be written (the output directory itself is checked by the net)."""
-    if not getattr(args, "profile_steps", None):
+def check_before_start(steps: int | None, evaluate: bool, output_dir: str) -> None:
+    """Before any process starts (a UsageError): --profile-steps (`steps`; None: not asked for) has training steps
+    to record, and <output-dir>/profile can be written (the output directory itself is checked by the net)."""
+    if not steps:
         return
-    if args.evaluate:
+    if evaluate:
         raise UsageError("--profile-steps records training steps; --evaluate trains none (drop one of them)")
-    folder = os.path.join(args.output_dir, FOLDER)
+    folder = os.path.join(output_dir, FOLDER)
     if os.path.exists(folder) and not os.path.isdir(folder):
         raise UsageError(f"--profile-steps: {folder} is a file, not a directory")
     if os.path.isdir(folder):
