@@ -154,8 +154,11 @@ def test_an_unused_parameter_fails_the_second_step_and_debug_info_names_it(ran):
 @pytest.mark.timeout(RUNS_TIMEOUT)
 def test_an_all_gather_of_other_shapes_aborts_and_debug_detail_names_the_shapes(ran):
     broken = ran("collective_mismatch.py")
-    assert broken.returncode == 1 and "terminated with signal SIGABRT" in broken.output, broken.output
-    assert "gloo::EnforceNotMet" in broken.output
+    # one rank aborts; the launcher names the rank that ended first, which is a race: the aborted one (SIGABRT), or
+    # the other, whose gather then failed on the closed connection (seen once in CI: exit code 1)
+    assert broken.returncode == 1 and "gloo::EnforceNotMet" in broken.output, broken.output
+    assert "terminated with signal SIGABRT" in broken.output or "Connection reset by peer" in broken.output, \
+        broken.output
     named = ran("collective_mismatch.py", TORCH_DISTRIBUTED_DEBUG="DETAIL")
     assert named.returncode == 1 and "Detected mismatch between collectives on ranks" in named.output
     assert "OpType=ALLGATHER, TensorShape=[11]" in named.output and "TensorShape=[10]" in named.output
