@@ -50,7 +50,7 @@ class AutocastInForward(nn.Module):
             return self.module(images)
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, net, scaler):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, scaler):
     """One pass over the batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -61,12 +61,12 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net, scaler):
         scaler.scale(loss).backward()  # the replicas' (scaled) gradients are summed onto the first GPU's weights
         scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
         scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        if net.step_done(loss):  # every step: progress, checkpoints; True once a stop signal came
+        if safety.step_done(loss):  # every step: progress, checkpoints; True once a stop signal came
             return
 
 
-def train(args, env, net, gpus) -> int:
-    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, net.recorded_precision())  # None: float32
+def train(args, env, safety, gpus) -> int:
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision())  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
@@ -88,37 +88,37 @@ def train(args, env, net, gpus) -> int:
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        net.load_weights(model)
-        net.write_eval(metrics.evaluate(model, test_loader, env.device))
-        return net.finish()
+        safety.load_weights(model)
+        safety.write_eval(metrics.evaluate(model, test_loader, env.device))
+        return safety.finish()
     # continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, scaler, step)
-    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler, scaler=scaler,
-                             steps_per_epoch=train_loader.steps, precision=amp_dtype)  # the precision is recorded
+    start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
+                                steps_per_epoch=train_loader.steps, scaler=scaler, precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch (else every epoch repeats)
-        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         batches = train_loader.epoch(epoch, start_step)  # the batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, net, scaler)
+        train_one_epoch(model, criterion, optimizer, batches, env.device, safety, scaler)
         # split over the GPUs too; a stop signal cuts it short
-        results = metrics.evaluate(model, test_loader, env.device, stop=net.stop_received)
-        if net.all_ranks_agree_to_stop():  # a stop signal came: a checkpoint of this step, then exit
-            return net.save_stopped_run()
-        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        results = metrics.evaluate(model, test_loader, env.device, stop=safety.stop_received_here)
+        if safety.ask_all_ranks_whether_to_stop():  # a stop signal came: a checkpoint of this step, then exit
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return net.finish()
+        safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
+    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         gpus = gpus_for_dataparallel(args.gpu, args.device, args.compile)  # --gpu, or all visible; [] on the CPU
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group
-        net.arm(env)
-        status = train(args, env, net, gpus)
+        safety.arm(env)
+        status = train(args, env, safety, gpus)
     sys.exit(status)
 
 

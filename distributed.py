@@ -28,7 +28,7 @@ def parse_args(argv=None):
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, net):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -38,11 +38,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over all ranks, bucket by bucket, during backward
         optimizer.step()
-        if net.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
             return
 
 
-def train(args, env, net) -> int:
+def train(args, env, safety) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
@@ -67,29 +67,30 @@ def train(args, env, net) -> int:
     optimizer, scheduler = models.sgd_with_cosine(model, args)
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        net.load_weights(model)
-        net.write_eval(metrics.evaluate(model.module, test_loader, env.device))
-        return net.finish()
+        safety.load_weights(model)
+        safety.write_eval(metrics.evaluate(model.module, test_loader, env.device))
+        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step)
-    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler, steps_per_epoch=train_loader.steps)
+    start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
+                                steps_per_epoch=train_loader.steps)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        run_epoch(model, criterion, optimizer, batches, env.device, net)
+        run_epoch(model, criterion, optimizer, batches, env.device, safety)
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
-        results = metrics.evaluate(model.module, test_loader, env.device, stop=net.stop_received)
-        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return net.save_stopped_run()
-        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
+        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return net.finish()
+        safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
+    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, a launcher's exit: stops with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
@@ -98,9 +99,9 @@ def main(argv=None):
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        net.arm(env)
+        safety.arm(env)
         try:
-            status = train(args, env, net)
+            status = train(args, env, safety)
         finally:
             cuda_graphs.release_captured_graphs()  # a live graph keeps NCCL's communicator: destroying it would hang
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends

@@ -31,7 +31,7 @@ def parse_args(argv=None):
     return flags.parse(parser, argv)
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, net):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -41,7 +41,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net):
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # FSDP reduce-scatters the gradients, stage by stage: each rank gets the average of its shard
         optimizer.step()  # each rank updates its shard of the weights, with its shard of the momentum
-        if net.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
             return
 
 
@@ -64,9 +64,9 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward
     return fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
 
 
-def train(args, env, net) -> int:
+def train(args, env, safety) -> int:
     # None: float32; no float16, which would need loss scaling across the shards
-    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, net.recorded_precision(), float16=False)
+    amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision(), float16=False)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
@@ -86,33 +86,33 @@ def train(args, env, net) -> int:
     optimizer, scheduler = models.sgd_with_cosine(model, args)  # over the shards: each rank steps its own
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        net.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
-        net.write_eval(metrics.evaluate(model, test_loader, env.device, sharded=True))
-        return net.finish()
+        safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
+        safety.write_eval(metrics.evaluate(model, test_loader, env.device, sharded=True))
+        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
-    start_epoch = net.resume(model=model, optimizer=optimizer, scheduler=scheduler,
-                             steps_per_epoch=train_loader.steps, precision=amp_dtype)
+    start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
+                                steps_per_epoch=train_loader.steps, precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, net)
+        train_one_epoch(model, criterion, optimizer, batches, env.device, safety)
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
         results = metrics.evaluate(model, test_loader, env.device, sharded=True)
-        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return net.save_stopped_run()
-        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return net.finish()
+        safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__, sharded=True)  # sharded checkpoints; catches Ctrl-C, SIGTERM, ...
+    safety = SafetyNet.for_flags(args, __file__, sharded=True)  # sharded checkpoints; catches Ctrl-C, SIGTERM, ...
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
@@ -121,9 +121,9 @@ def main(argv=None):
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        net.arm(env)
+        safety.arm(env)
         try:
-            status = train(args, env, net)
+            status = train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)

@@ -42,7 +42,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, net):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -51,13 +51,13 @@ def train_one_epoch(model, criterion, optimizer, loader, device, net):
         loss = criterion(model(images), targets)
         loss.backward()  # averaged within the group, then over the quorum's groups (a dead one: not committed)
         optimizer.step()  # torchft: steps only if the step is committed (every group of the quorum sent its part)
-        if net.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
             return
         # torchft: the next step's quorum, formed here, before the next batch is read: which groups are alive
         optimizer.zero_grad(set_to_none=True)
 
 
-def train(args, env, net) -> int:
+def train(args, env, safety) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size * args.replica_groups)  # all groups' processes
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the processes of all groups in turn: process p
@@ -76,16 +76,16 @@ def train(args, env, net) -> int:
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json (no lighthouse)
-        net.load_weights(model)
-        net.write_eval(metrics.evaluate(model, test_loader, env.device))
-        return net.finish()
+        safety.load_weights(model)
+        safety.write_eval(metrics.evaluate(model, test_loader, env.device))
+        return safety.finish()
     # torchft: this group's manager. Each step it asks the lighthouse which groups are alive (the quorum),
     # averages over them, and hands a group that joins behind the others this one's state to heal it
     manager = torchft.Manager(
         pg=torchft.ProcessGroupNCCL() if env.device.type == "cuda" else torchft.ProcessGroupGloo(),  # between groups
         min_replica_size=args.min_replica_groups, replica_id=str(args.replica_group), lighthouse_addr=args.lighthouse,
-        state_dict=net.state_for_a_peer,  # the weights, optimizer, schedule and progress of resume() below
-        load_state_dict=net.take_state_from_a_peer,  # a group behind the live ones takes theirs
+        state_dict=safety.state_for_a_peer,  # the weights, optimizer, schedule and progress of resume() below
+        load_state_dict=safety.take_state_from_a_peer,  # a group behind the live ones takes theirs
         use_async_quorum=False,  # heal before a step, never within one: the loop starts at the state's progress
         init_sync=False,  # every group builds the same weights from --seed: nothing to copy at the first step
         **fault_tolerance.store_of_this_group(), **fault_tolerance.timeouts(env))
@@ -99,34 +99,34 @@ def train(args, env, net) -> int:
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
-    net.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
+    safety.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
     # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step, and
     # the manager's count of committed steps, by which the quorum tells which group is behind)
-    net.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
+    safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
                steps_per_epoch=train_loader.steps)
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)
-    for epoch in range(net.epoch_to_start(), args.epochs):
+    for epoch in range(safety.epoch_to_start(), args.epochs):
         sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
-        start_step = net.start_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, net)
-        if not net.stop_agreed():  # torchft: every group of the quorum, after its epoch's last step (a collective)
+        train_one_epoch(model, criterion, optimizer, batches, env.device, safety)
+        if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
             fault_tolerance.average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
-        results = metrics.evaluate(model.module, test_loader, env.device, stop=net.stop_received)
-        if net.all_ranks_agree_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return net.save_stopped_run()
-        net.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
+        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
         scheduler.step()
-        net.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return net.finish()
+        safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    net = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, and a launcher's exit: stops with a checkpoint
+    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, a launcher's exit: stops with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         fault_tolerance.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
@@ -136,9 +136,9 @@ def main(argv=None):
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        net.arm(env)
+        safety.arm(env)
         try:
-            status = train(args, env, net)
+            status = train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
     sys.exit(status)

@@ -5,22 +5,22 @@ metrics.jsonl (and TensorBoard events). Delete those calls from a copy of a scri
 Every method that communicates with the other ranks says so in the first line of its docstring, and
 every rank calls it at the same line of the script: moved onto one rank's path, it would hang the others.
 
-    net = SafetyNet.for_flags(args, __file__)   # first thing: stop signals are caught from here on
-    net.arm(env)                                # once the process group exists
-    start_epoch = net.resume(model=..., optimizer=..., scheduler=..., steps_per_epoch=...)
+    safety = SafetyNet.for_flags(args, __file__)   # first thing: stop signals are caught from here on
+    safety.arm(env)                                # once the process group exists
+    start_epoch = safety.resume(model=..., optimizer=..., scheduler=..., steps_per_epoch=...)
     for epoch in range(start_epoch, epochs):
-        start_step = net.start_epoch(epoch)     # 0, or the step a mid-epoch checkpoint reached
+        start_step = safety.begin_epoch(epoch)     # 0, or the step a mid-epoch checkpoint reached
         for images, targets in loader:
             ...
-            if net.step_done(loss):             # True once every rank knows of a stop signal
+            if safety.step_done(loss):             # True once every rank knows of a stop signal
                 break
-        results = metrics.evaluate(..., stop=net.stop_received)
-        if net.all_ranks_agree_to_stop():
-            return net.save_stopped_run()
-        net.end_epoch(results, lr)
+        results = metrics.evaluate(..., stop=safety.stop_received_here)
+        if safety.ask_all_ranks_whether_to_stop():
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr)
         scheduler.step()
-        net.save(epoch + 1)
-    return net.finish()
+        safety.save(epoch + 1)
+    return safety.finish()
 """
 import copy
 import importlib.util
@@ -60,7 +60,7 @@ class SafetyNet:
 
     @staticmethod
     def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
-        """The net's flags, after utils.flags.add_shared_flags: --print-freq among the training flags, and the
+        """The safety net's flags, after utils.flags.add_shared_flags: --print-freq among the training flags, and the
         group "checkpoints and output" (sharded: the checkpoints are directories, FSDP's)."""
         name = os.path.splitext(parser.prog)[0]
         newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
@@ -94,7 +94,7 @@ class SafetyNet:
 
     @classmethod
     def for_flags(cls, args, script: str, sharded: bool = False) -> "SafetyNet":
-        """The net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
+        """The safety net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
         launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn.
         sharded: the script writes sharded checkpoints (FSDP's)."""
         # torchrun's agent (it sets TORCHELASTIC_RUN_ID) or mp.spawn's parent waits for this process
@@ -205,7 +205,7 @@ class SafetyNet:
         """note(): a few words put at the end of every progress line (called only when one is printed)."""
         self.progress_note = note
 
-    def start_epoch(self, epoch: int) -> int:
+    def begin_epoch(self, epoch: int) -> int:
         """Starts the epoch's clock and loss; returns the step to start from: 0, or on the epoch a mid-epoch
         checkpoint was written in, the step it reached (the loader leaves out the batches before it)."""
         start_step = self.start_at[1] if epoch == self.start_at[0] else 0
@@ -235,17 +235,17 @@ class SafetyNet:
             self.checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=epoch_loss)
         return False
 
-    def stop_received(self) -> bool:
+    def stop_received_here(self) -> bool:
         """Whether this process got a stop signal: a local check, for loops every rank may leave at its own
-        step (the evaluation); all_ranks_agree_to_stop() then makes it everyone's."""
+        step (the evaluation); ask_all_ranks_whether_to_stop() then makes it everyone's."""
         return bool(self.stop.signum or self.stop.received)
 
-    def stop_agreed(self) -> bool:
+    def stop_agreed_at_last_step(self) -> bool:
         """Whether every rank knew of a stop signal at the last step (step_done returned True): local, no collective,
         the same on every rank; the epoch's loop was cut short there."""
         return bool(self.stop.signum)
 
-    def all_ranks_agree_to_stop(self) -> bool:
+    def ask_all_ranks_whether_to_stop(self) -> bool:
         """Every rank (collective: an all-reduce of the stop flag): whether any rank got a stop signal."""
         return self.stop.agree_now()
 

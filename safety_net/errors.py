@@ -1,4 +1,4 @@
-"""The net's two errors, each one line on stderr through utils.errors.exit_on_error."""
+"""The safety net's two errors, each one line on stderr through utils.errors.exit_on_error."""
 from utils.errors import OneLineError
 
 

@@ -29,7 +29,7 @@ def add_flag(group) -> None:
 
 def check_before_start(steps: int | None, evaluate: bool, output_dir: str) -> None:
     """Before any process starts (a UsageError): --profile-steps (`steps`; None: not asked for) has training steps
-    to record, and <output-dir>/profile can be written (the output directory itself is checked by the net)."""
+    to record, and <output-dir>/profile can be written (the output directory itself is checked by the safety net)."""
     if not steps:
         return
     if evaluate:

@@ -73,7 +73,7 @@ class StopSignals:
         self.signum = 0  # the signal all ranks agreed to stop on (0: not agreed)
         self.armed = False
         self.saved = False  # the stopped step's checkpoint is written: a later signal changes nothing
-        self.checkpoint_path = ""  # the run's newest checkpoint (set by the net): what a second signal keeps
+        self.checkpoint_path = ""  # the run's newest checkpoint (set by the safety net): what a second signal keeps
         self.is_main = True  # this rank says where a stop lands, and warns when a SIGKILL would come first
         self._group, self._work, self._flag = None, None, torch.zeros(1, dtype=torch.int32)
         self._one_step = False  # each step reads its own flag (arm)

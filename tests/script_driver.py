@@ -78,23 +78,24 @@ class SyncWaits:
 
 
 def count_host_reads(out: str, sync_waits: bool = False):
-    """Counts host reads (and with sync_waits, host waits) from each epoch's start (SafetyNet.start_epoch) to its
+    """Counts host reads (and with sync_waits, host waits) from each epoch's start (SafetyNet.begin_epoch) to its
     last step's step_done, as the docstring says; returns the function that writes them."""
     from safety_net import SafetyNet
     mode = HostReads()
     waits = SyncWaits(mode.reads) if sync_waits and torch.cuda.is_available() else None
-    start_epoch, step_done = SafetyNet.start_epoch, SafetyNet.step_done
+    begin_epoch, step_done = SafetyNet.begin_epoch, SafetyNet.step_done
 
-    def counted_start_epoch(self, epoch):
-        start_step = start_epoch(self, epoch)
-        mode.__enter__()  # left at the epoch's last step: the loop, the steps and the net's bookkeeping in between
+    def counted_begin_epoch(self, epoch):
+        start_step = begin_epoch(self, epoch)
+        mode.__enter__()  # left at the epoch's last step: the loop, the steps and the safety net's
+        # bookkeeping in between
         if waits:
             waits.on(True)
         return start_step
 
     def counted_step_done(self, loss):
         step, progress = self.progress.step + 1, self.progress
-        # the net's own rule: a progress line every --print-freq steps and at each epoch's first, a checkpoint
+        # the safety net's own rule: a progress line every --print-freq steps and at each epoch's first, a checkpoint
         # every --save-every-steps; those steps read the loss or the weights back, by design
         mode.counting = not (step % self.print_freq == 0 or progress.recorded == 0
                              or self.checkpoint.due(step, progress.total))
@@ -114,7 +115,7 @@ def count_host_reads(out: str, sync_waits: bool = False):
         if os.environ.get("RANK", "0") == "0":
             Path(out).write_text("".join(f"{n} {what}\n" for what, n in mode.reads.items()) or "0 none\n")
 
-    SafetyNet.start_epoch, SafetyNet.step_done = counted_start_epoch, counted_step_done
+    SafetyNet.begin_epoch, SafetyNet.step_done = counted_begin_epoch, counted_step_done
     return write
 
 

@@ -33,10 +33,10 @@ def train_on_rank(rank, world_size, accu_steps):
 
     model.register_comm_hook(None, counting_hook)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    net = LossesKept()
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), net, accu_steps)
+    safety = LossesKept()
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), safety, accu_steps)
     return {"weights": [p.detach().clone() for p in model.parameters()], "all_reduces": len(all_reduces),
-            "loss": sum(net.losses) / len(net.losses)}
+            "loss": sum(safety.losses) / len(safety.losses)}
 
 
 def test_accumulated_update_equals_the_whole_batch_update(tmp_path):

@@ -1,6 +1,7 @@
 """--cuda-graphs (utils/cuda_graphs.py): what the CPU can prove of the graph path, and on a GPU the rest (skipped
 without one). On the CPU the scripts refuse the flag; tests/script_driver.py leaves that refusal out, so each step
-goes through the graph path's static buffers, rate tensors and stand-in net, called directly where a GPU replays."""
+goes through the graph path's static buffers, rate tensors and stand-in safety net, called directly where a GPU
+replays."""
 import contextlib
 import gc
 import os
@@ -173,10 +174,10 @@ def test_each_step_runs_once_eagerly_then_from_the_capture():
     weight = torch.nn.Parameter(torch.zeros(()))
     optimizer = torch.optim.SGD([weight], lr=0.5, fused=True)
 
-    def train_one_epoch(model, criterion, optimizer, loader, device, net, extra):
+    def train_one_epoch(model, criterion, optimizer, loader, device, safety, extra):
         ((images, targets),) = loader
         calls.append((images.clone(), optimizer.param_groups[0]["lr"].clone(), extra))
-        net.step_done(images.sum())
+        safety.step_done(images.sum())
 
     class Net:
         losses = []
@@ -199,15 +200,15 @@ def test_each_step_runs_once_eagerly_then_from_the_capture():
 
 
 def test_an_error_past_the_capture_leaves_the_graph_to_release_captured_graphs():
-    """An error raised after the capture (the net's divergence guard, a checkpoint that cannot be written) leaves
+    """An error raised after the capture (the safety net's divergence guard, a checkpoint that cannot be written) leaves
     with a traceback that holds the CapturedSteps; release_captured_graphs, as the scripts' `finally` calls it
     before destroying the process group, still lets go of its graph and buffers. A second call does nothing, the
     closed object refuses to step, and the registry keeps none alive."""
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(()))], lr=0.5, fused=True)
 
-    def train_one_epoch(model, criterion, optimizer, loader, device, net):
+    def train_one_epoch(model, criterion, optimizer, loader, device, safety):
         ((images, targets),) = loader
-        net.step_done(images.sum())
+        safety.step_done(images.sum())
 
     class FailsAtTheFirstReplay:
         steps = 0
@@ -292,7 +293,7 @@ def gpu_losses(rank, world_size, graphed: bool, steps: int, sync_check: bool):
     batches = [(torch.randn(64, 3, 32, 32, device=device, generator=g),
                 torch.randint(0, 100, (64,), device=device, generator=g)) for _ in range(steps)]
 
-    class Losses:  # the net's bookkeeping on the device: no read until the end
+    class Losses:  # the safety net's bookkeeping on the device: no read until the end
         losses = []
 
         def step_done(self, loss):
@@ -301,10 +302,10 @@ def gpu_losses(rank, world_size, graphed: bool, steps: int, sync_check: bool):
             self.losses.append(loss.detach().clone())
             return False
 
-    net = Losses()
-    run_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, batches, device, net, torch.bfloat16, scaler)
+    safety = Losses()
+    run_epoch(model, torch.nn.CrossEntropyLoss(), optimizer, batches, device, safety, torch.bfloat16, scaler)
     torch.cuda.set_sync_debug_mode("default")
-    return [float(loss) for loss in net.losses]
+    return [float(loss) for loss in safety.losses]
 
 
 @needs_gpu

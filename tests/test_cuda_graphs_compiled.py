@@ -50,7 +50,7 @@ def compiled_runs(rank, world_size, steps: int) -> list:
     from utils import techniques
     from utils.syncbn import CpuSyncBatchNorm
 
-    class Kept:  # the net: each step's loss and the counters then
+    class Kept:  # stands in for the safety net: each step's loss and the counters then
         def __init__(self):
             self.losses, self.counts = [], []
 
@@ -72,10 +72,10 @@ def compiled_runs(rank, world_size, steps: int) -> list:
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))
                    for _ in range(steps)]
-        net = Kept()
-        run_epoch(model, nn.CrossEntropyLoss(), optimizer, batches, device, net, torch.bfloat16,
+        safety = Kept()
+        run_epoch(model, nn.CrossEntropyLoss(), optimizer, batches, device, safety, torch.bfloat16,
                   torch.amp.GradScaler("cpu", enabled=False))
-        return net.losses, {key: tensor.clone() for key, tensor in model.module.state_dict().items()}, net.counts
+        return safety.losses, {key: tensor.clone() for key, tensor in model.module.state_dict().items()}, safety.counts
 
     return [one(graphed=False, compiled=True), one(graphed=True, compiled=True), one(graphed=False, compiled=False)]
 

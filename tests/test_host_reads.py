@@ -15,7 +15,7 @@ DRIVER = str(ROOT / "tests" / "script_driver.py")
     ("distributed_gradient_accumulation.py", "torchrun"), ("distributed_fsdp.py", "torchrun")])
 def test_no_step_reads_a_float_or_bool_tensor_back_between_progress_lines(script, launcher, tmp_path):
     """3 steps of one epoch in one process (tests/test_cuda_graphs.py counts distributed.py on 2 ranks), a progress
-    line at the first only: the other two steps, the net's bookkeeping included, read nothing back."""
+    line at the first only: the other two steps, the safety net's bookkeeping included, read nothing back."""
     counted = tmp_path / "host_reads.txt"
     args = ["--host-reads", str(counted), script, *TINY, "--print-freq", "1000", "--output-dir", str(tmp_path / "run")]
     start = [] if launcher == "python" else ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]

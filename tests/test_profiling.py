@@ -44,9 +44,9 @@ def test_without_the_flag_the_net_makes_no_profiler(tmp_path):
     from safety_net import SafetyNet
     args = distributed.parse_args(TINY + ["--output-dir", str(tmp_path)])
     with stop_handlers_undone():
-        net = SafetyNet.for_flags(args, distributed.__file__)
-        net.arm(SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True))
-    assert args.profile_steps is None and net.profiler is None
+        safety = SafetyNet.for_flags(args, distributed.__file__)
+        safety.arm(SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True))
+    assert args.profile_steps is None and safety.profiler is None
 
 
 def made_up_trace(rank: int, world_size: int = 2) -> dict:

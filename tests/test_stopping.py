@@ -248,7 +248,7 @@ def test_steps_too_slow_for_torchruns_sigkill_are_told_at_the_start_and_a_sigter
 @pytest.mark.timeout(120)
 def test_a_stop_ends_a_run_whose_rank_hangs_and_says_so(tmp_path):
     # rank 1 hangs in step 3 (rank 0 waits for it in the next collective); a floor of 2 s, not 60
-    slow = copy_with_slow_steps(tmp_path, "600 if dist.get_rank() == 1 and net.progress.step == 2 else 0", 2)
+    slow = copy_with_slow_steps(tmp_path, "600 if dist.get_rank() == 1 and safety.progress.step == 2 else 0", 2)
     out = tmp_path / "out"
     started = Run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                    str(slow / "distributed.py"), *RUN, "--workers", "0", "--save-every-steps", "1",

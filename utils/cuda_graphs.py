@@ -9,7 +9,7 @@ train_one_epoch, run on a list of one batch held in static buffers, with a stand
 the step's loss in a static tensor. So the graph holds forward, loss, backward with DDP's gradient all-reduce (and
 SyncBatchNorm's collectives, and no_sync's micro-batches in the accumulation script) and the optimizer's step. Per
 step, outside the graph: the batch copied into the static buffers, the learning rate copied into the tensor the
-optimizer reads (only when the schedule changed it), and the net's bookkeeping on the static loss (summed on the
+optimizer reads (only when the schedule changed it), and the safety net's bookkeeping on the static loss (summed on the
 device; the stop agreement; checkpoints).
 
 With --compile the graph holds the compiled kernels: the model is compiled in torch.compile's default mode (fused
@@ -120,7 +120,7 @@ def _capture(graph: torch.cuda.CUDAGraph, step) -> None:
 
 
 class CapturedSteps:
-    """A script's train_one_epoch(model, criterion, optimizer, loader, device, net, *extra), called the same way,
+    """A script's train_one_epoch(model, criterion, optimizer, loader, device, safety, *extra), called the same way,
     with each step run from static buffers: the first WARMUP_STEPS eagerly, the next captured into a CUDA graph,
     every later one replayed from it (off the GPU each is called directly). Make it before DDP(...): on a GPU this
     rank's work moves here to the stream the step is captured on. close() (release_captured_graphs at the script's
@@ -140,7 +140,7 @@ class CapturedSteps:
             stream.wait_stream(torch.cuda.current_stream(device))  # what was queued before (the model's copy)
             torch.cuda.set_stream(stream)
 
-    def __call__(self, model, criterion, optimizer, loader, device, net, *extra):
+    def __call__(self, model, criterion, optimizer, loader, device, safety, *extra):
         """One pass over this rank's batches, as train_one_epoch makes it: each step from the static buffers."""
         if self.closed:
             raise RuntimeError("CapturedSteps called after close(): its graph is released; make a new one")
@@ -163,7 +163,7 @@ class CapturedSteps:
                 else:
                     self.graph = _CalledDirectly(step)
             self.steps += 1
-            if net.step_done(self.kept.loss):  # outside the graph: progress, stop agreement, checkpoints
+            if safety.step_done(self.kept.loss):  # outside the graph: progress, stop agreement, checkpoints
                 return
 
     def close(self) -> None:

@@ -110,7 +110,7 @@ def _exit(status: int):
 
 @contextlib.contextmanager
 def exit_on_error():
-    """Turn a OneLineError (a UsageError, the net's Diverged, ...) raised inside the block into its line on stderr
+    """Turn a OneLineError (a UsageError, SafetyNet's Diverged, ...) raised inside the block into its line on stderr
     and its exit status; a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a
     process group that cannot form (dist.init_process_group fails: a busy port, a rank that never came) are
     UsageErrors too. Any other exception is one line from the rank that raised it (crash_line), exit status 1; a

@@ -14,9 +14,9 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
     """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size (collective:
     one all-reduce of the counts; sharded, also an all-gather in every forward).
 
-    stop: a function of no arguments asked before each batch, on this rank only (SafetyNet.stop_received):
+    stop: a function of no arguments asked before each batch, on this rank only (SafetyNet.stop_received_here):
     once it says yes this rank stops evaluating, and the results are partial; the caller then agrees with
-    the other ranks whether to stop (SafetyNet.all_ranks_agree_to_stop). Not with sharded=True, where a
+    the other ranks whether to stop (SafetyNet.ask_all_ranks_whether_to_stop). Not with sharded=True, where a
     rank that left early would leave the others waiting in their all-gathers.
 
     Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
