@@ -16,7 +16,7 @@ from torch import nn
 from torch.utils.data import DistributedSampler
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, metrics, models, precision, techniques
+from utils import data, flags, launch, loaders, metrics, models, precision, techniques
 from utils.errors import exit_on_error
 from utils.gpus import gpus_for_dataparallel
 
@@ -28,9 +28,14 @@ def parse_args(argv=None):
         help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
     precision.add_flags(parser, opt_level_default="O0")  # --opt-level O1 and --amp-dtype: mixed precision
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
-    flags.add_shared_flags(parser, distributed=False)
+    flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
+    flags.add_device_flags(parser, process_group=False)  # --device (the GPUs: --gpu above)
+    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
-    return flags.parse(parser, argv)
+    args = flags.parse(parser, argv)
+    if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
+        args.lr = flags.scaled_lr(args.batch_size)
+    return args
 
 
 class AutocastInForward(nn.Module):
@@ -71,13 +76,13 @@ def train(args, env, safety, gpus) -> int:
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
     model = model.to(env.device, memory_format=techniques.memory_format(args))
-    techniques.compile_if_asked(model, args)  # the module itself: DataParallel's replicas are copies (utils/gpus.py)
+    techniques.compile_if_asked(model, args.compile)  # the module: DataParallel's replicas are copies (utils/gpus.py)
     model = AutocastInForward(model, amp_dtype)  # mixed precision inside each replica (a no-op for float32)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.

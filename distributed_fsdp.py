@@ -7,6 +7,7 @@ weights (tests/test_fsdp.py); what changes is what a rank holds and communicates
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
     python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
 """
+import argparse
 import sys
 
 import torch
@@ -16,19 +17,29 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.utils.data import DistributedSampler
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, metrics, models, precision, techniques
+from utils import data, flags, launch, loaders, metrics, models, precision, techniques
 from utils.errors import exit_on_error
 from utils.syncbn import CpuSyncBatchNorm
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
+    parser.group("sharding").add_argument(  # shard() below
+        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+        help="free each stage's gathered weights after its forward and gather them again for backward (least memory, "
+             "like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather fewer per stage and "
+             "step, like ZeRO-2)")
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
-    flags.add_shared_flags(parser, sharded=True)  # and --reshard-after-forward
+    flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
+    flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
+    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
     SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories of shards), --evaluate
-    return flags.parse(parser, argv)
+    args = flags.parse(parser, argv)
+    if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
+        args.lr = flags.scaled_lr(args.batch_size)
+    return args
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, safety):
@@ -71,8 +82,8 @@ def train(args, env, safety) -> int:
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
@@ -81,7 +92,7 @@ def train(args, env, safety) -> int:
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
     model = shard(model, amp_dtype, args.reshard_after_forward)
-    techniques.compile_if_asked(model, args)
+    techniques.compile_if_asked(model, args.compile)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)  # over the shards: each rank steps its own
 

@@ -19,24 +19,25 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from safety_net import SafetyNet
-from utils import data, fault_tolerance, flags, launch, metrics, models, techniques
+from utils import data, flags, launch, live_recovery, loaders, metrics, models, techniques
 from utils.errors import exit_on_error
 from utils.syncbn import CpuSyncBatchNorm
 
-try:
-    import torchft  # PyTorch's fault-tolerance library (pip install torchft), needed by this script only
-except ImportError:
-    torchft = None  # the flags' check says so in one line
+torchft = live_recovery.import_torchft_with_quiet_logs()  # PyTorch's fault-tolerance library (pip install torchft)
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
-    flags.add_shared_flags(parser)
+    flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
+    flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
+    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
-    fault_tolerance.add_flags(parser)  # --lighthouse, --replica-group, --replica-groups, --min-replica-groups
+    live_recovery.add_flags(parser)  # --lighthouse, --replica-group, --replica-groups, --min-replica-groups
     args = flags.parse(parser, argv)
+    if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
+        args.lr = flags.scaled_lr(args.batch_size)
     # each replica group writes only its own files: checkpoints, metrics and lock in a folder of its own
     args.output_dir = os.path.join(args.output_dir, f"replica_group_{args.replica_group}")
     return args
@@ -57,17 +58,41 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety):
         optimizer.zero_grad(set_to_none=True)
 
 
+def average_in_group_then_across_groups(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """DDP's gradient hook: the bucket averaged over this group's processes, then over the quorum's groups (the
+    manager's all-reduce). torchft's own DDP wrapper does only the second (groups of one process), and its 0.2.0
+    hook fails an assertion when a group dies mid-step; here the manager keeps the error and skips the commit."""
+    buffer = bucket.buffer()
+    if dist.get_world_size() > 1:
+        dist.all_reduce(buffer)  # within the group: a dead process of this group fails the whole group here
+        buffer /= dist.get_world_size()
+    manager.allreduce(buffer).wait()  # over the groups; a failure is kept by the manager: the step is not committed
+    done = torch.futures.Future()  # as torch's own noop hook: the buffer, reduced in place
+    done.set_result(buffer)
+    return done
+
+
+def average_batchnorm_statistics(manager, model: nn.Module) -> None:
+    """Every group of the quorum, after its epoch's last step (a collective, the manager's all-reduce): BatchNorm's
+    running statistics, which each group gathered from its own share, averaged, so all evaluate and save one model."""
+    buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
+    flat = torch.cat([buffer.reshape(-1) for buffer in buffers])  # one all-reduce for all of them
+    manager.allreduce(flat).wait()
+    if manager.errored() is None:  # a failed all-reduce leaves them as they were (and the next step uncommitted)
+        for buffer, averaged in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
+            buffer.copy_(averaged.view_as(buffer))
+
+
 def train(args, env, safety) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size * args.replica_groups)  # all groups' processes
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle of the training set, dealt to the processes of all groups in turn: process p
-    # of group g takes the shuffle's k, k+W, ... with k = g * (its group's size) + p. While a group is down, its
-    # share is not trained: the steps go on with the live groups' shares (torchft's sampler says the same)
+    # each epoch a seeded shuffle dealt to the processes of all groups in turn (process p of group g takes k, k+W,
+    # ... with k = g * group size + p); while a group is down its share is not trained, the live groups' shares are
     sampler = torchft.DistributedSampler(train_set, replica_rank=args.replica_group,
                                          num_replica_groups=args.replica_groups, group_rank=env.rank,
                                          num_replicas=env.world_size, seed=args.seed, drop_last=True)
-    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
@@ -88,22 +113,21 @@ def train(args, env, safety) -> int:
         load_state_dict=safety.take_state_from_a_peer,  # a group behind the live ones takes theirs
         use_async_quorum=False,  # heal before a step, never within one: the loop starts at the state's progress
         init_sync=False,  # every group builds the same weights from --seed: nothing to copy at the first step
-        **fault_tolerance.store_of_this_group(), **fault_tolerance.timeouts(env))
+        **live_recovery.store_of_this_group(), **live_recovery.timeouts(env))
     # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward, within this group;
     # find_unused_parameters keeps DDP's buckets as built (torchft's own setting), the same in every group
-    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                find_unused_parameters=True, **techniques.ddp_options(args))
+    model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, find_unused_parameters=True)
     # torchft: the gradients averaged within the group, then over the quorum's groups by the manager
-    model.register_comm_hook(manager, fault_tolerance.average_in_group_then_across_groups)
-    techniques.compile_if_asked(model, args)
+    model.register_comm_hook(manager, average_in_group_then_across_groups)
+    techniques.compile_if_asked(model, args.compile)
     criterion = nn.CrossEntropyLoss()
     optimizer, scheduler = models.sgd_with_cosine(model, args)
     optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
     safety.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
-    # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step, and
-    # the manager's count of committed steps, by which the quorum tells which group is behind)
+    # every rank: continue from <output-dir>'s checkpoint if there is one (with the manager's count of committed
+    # steps, by which the quorum tells which group is behind)
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
-               steps_per_epoch=train_loader.steps)
+                  steps_per_epoch=train_loader.steps)
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)
@@ -113,7 +137,7 @@ def train(args, env, safety) -> int:
         batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
         train_one_epoch(model, criterion, optimizer, batches, env.device, safety)
         if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
-            fault_tolerance.average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
+            average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
@@ -129,7 +153,7 @@ def main(argv=None):
     safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, a launcher's exit: stops with a checkpoint
     with exit_on_error():
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-        fault_tolerance.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
+        live_recovery.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DistributedSampler
 
 from safety_net import SafetyNet
-from utils import cuda_graphs, data, flags, launch, metrics, models, techniques
+from utils import cuda_graphs, data, flags, launch, loaders, metrics, models, techniques
 from utils.errors import exit_on_error
 from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
@@ -26,9 +26,16 @@ def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     add_spawn_flags(parser)  # --nprocs, --nnodes, --node-rank, --ip, --port
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
-    flags.add_shared_flags(parser)
+    flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
+    flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
+    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
+    techniques.add_ddp_flags(parser)  # --bucket-cap-mb, --gradient-as-bucket-view, --static-graph, --comm-hook
+    cuda_graphs.add_flag(parser)  # --cuda-graphs: each step replayed from a CUDA graph
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
-    return flags.parse(parser, argv)
+    args = flags.parse(parser, argv)
+    if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
+        args.lr = flags.scaled_lr(args.batch_size)
+    return args
 
 
 def train_one_epoch(model, criterion, optimizer, loader, device, safety):
@@ -50,8 +57,8 @@ def train(args, env, safety) -> int:
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
     sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = data.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = data.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
+    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
@@ -65,9 +72,9 @@ def train(args, env, safety) -> int:
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
                 **techniques.ddp_options(args))
     techniques.register_comm_hook(model, args.comm_hook, train_loader.steps)  # --comm-hook: compressed gradients
-    techniques.compile_if_asked(model, args)
+    techniques.compile_if_asked(model, args.compile, cuda_graphs=args.cuda_graphs)
     criterion = nn.CrossEntropyLoss()
-    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    optimizer, scheduler = models.sgd_with_cosine(model, args, cuda_graphs=args.cuda_graphs)
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model)

@@ -248,15 +248,15 @@ def inner_loader_waits() -> dict:
     import torch
     from torch.utils.data import DistributedSampler
 
-    from utils import data
+    from utils import data, loaders
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     train = data.Images(*data.synthetic(4096, train=True), augment=True, seed=0)
     test = data.Images(*data.synthetic(1000, train=False), augment=False, seed=0)
     sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=0, drop_last=True)
     env, args = SimpleNamespace(device=device, rank=0, world_size=1), SimpleNamespace(workers=0, loader="device")
-    train_loader = data.train_loader(train, sampler, per_rank_batch=256, env=env, args=args)
-    test_loader = data.test_loader(test, per_rank_batch=256, env=env, args=args)
+    train_loader = loaders.train_loader(train, sampler, per_rank_batch=256, env=env, args=args)
+    test_loader = loaders.test_loader(test, per_rank_batch=256, env=env, args=args)
     waits, batches = [], 0
     for epoch in range(2):
         sampler.set_epoch(epoch)

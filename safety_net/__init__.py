@@ -60,7 +60,7 @@ class SafetyNet:
 
     @staticmethod
     def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
-        """The safety net's flags, after utils.flags.add_shared_flags: --print-freq among the training flags, and the
+        """The safety net's flags, after utils.flags.add_training_flags: --print-freq among the training flags, and the
         group "checkpoints and output" (sharded: the checkpoints are directories, FSDP's)."""
         name = os.path.splitext(parser.prog)[0]
         newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")

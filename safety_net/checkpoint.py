@@ -280,7 +280,8 @@ def weights_of(path: str) -> dict:
 
 
 def run_flags(args) -> dict:
-    return {name: getattr(args, name) for name in RUN_FLAGS if hasattr(args, name)}
+    """The values of RUN_FLAGS among the script's flags (a copy's data flags may lack --dataset, say)."""
+    return {name: value for name, value in vars(args).items() if name in RUN_FLAGS}
 
 
 def check_same_run(state: dict, options: Options, script: str, path: str) -> None:

@@ -36,10 +36,9 @@ import time
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from safety_net.checkpoint import temporary_path
-from utils.errors import report
+from utils.errors import print_line
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 FLOOR_S = 25  # after a signal, nothing finished for this long (or MARGIN slowest recent steps): the run is stuck
@@ -51,14 +50,6 @@ KILL_WAIT_S = 30  # torchrun (--shutdown-timeout) and SLURM (KillWait) send SIGK
 GROUP_TIMEOUT_S = 100  # the stop group's collectives
 RECENT_STEPS = 8  # the step times a stop's wait is derived from
 _LAUNCHER_GONE = "the launcher's exit"
-
-
-def _say(message: str) -> None:
-    line = f"{os.path.basename(sys.argv[0]) or 'python'}: {message}"
-    if sys.stderr.isatty():  # above rank 0's progress bar, not into it
-        tqdm.write(line, file=sys.stderr)
-    else:
-        print(line, file=sys.stderr, flush=True)
 
 
 class StopSignals:
@@ -212,10 +203,10 @@ class StopSignals:
             return
         advice = ("give torchrun a longer --shutdown-timeout" if who == "torchrun" else
                   "ask SLURM for the signal earlier (#SBATCH --signal=USR1@SECONDS: this run saves on SIGUSR1)")
-        _say(f"warning: a step takes about {_seconds(step_s)} s, so a stop signal needs up to {needed:.0f} s to save "
-             f"one; {who} sends SIGKILL {seconds:.0f} s after a signal ({setting}), and a stop not saved "
-             f"{usable_s(seconds):.0f} s after it exits without a new checkpoint; {advice}, save more often with "
-             "--save-every-steps, or use a smaller per-rank batch")
+        print_line(f"warning: a step takes about {_seconds(step_s)} s, so a stop signal needs up to {needed:.0f} s to "
+                   f"save one; {who} sends SIGKILL {seconds:.0f} s after a signal ({setting}), and a stop not saved "
+                   f"{usable_s(seconds):.0f} s after it exits without a new checkpoint; {advice}, save more often "
+                   "with --save-every-steps, or use a smaller per-rank batch", error=False)
 
     def finish_stopped_run(self, *, epoch: int, step: int, steps: int, path: str, is_main: bool) -> int:
         """After the checkpoint of the agreed step: wait until every rank is here (so none exits while rank 0
@@ -281,7 +272,8 @@ class StopSignals:
             self._deadline = now + self._patience_s()
         if not self.armed:  # starting up: nothing to save yet, nothing to wait for
             if os.environ.get("RANK", "0") == "0":
-                _say(f"stopped by {reason} while starting; nothing was trained, no checkpoint written")
+                print_line(f"stopped by {reason} while starting; nothing was trained, no checkpoint written",
+                           error=False)
             self._exit(128 + signum)
         budget = kill_budget(signum)
         if budget:  # leave before the launcher's SIGKILL, with a line that says why
@@ -291,7 +283,8 @@ class StopSignals:
                     if budget and (seconds or 0) + SAVE_S > usable_s(budget[0]) else "")
             kept = f"keeping the last checkpoint ({path})" if (path := self._last_checkpoint()) else \
                 "before any checkpoint is written"
-            _say(f"{reason}: stopping {where} with a checkpoint, {when}{late}; Ctrl-C again leaves at once, {kept}")
+            print_line(f"{reason}: stopping {where} with a checkpoint, {when}{late}; Ctrl-C again leaves at once, "
+                       f"{kept}", error=False)
 
     def _where_it_stops(self, now: float) -> tuple[str, str, float | None]:
         """(Holding the lock.) Where a signal seen now stops the run and when, in words, and in about how many
@@ -319,7 +312,8 @@ class StopSignals:
         if self.is_main:
             kept = f"the last one, {path}, is kept" if (path := self._last_checkpoint()) else \
                 "none was written yet (the same command starts afresh)"
-            _say(f"stopped by a second {signal.Signals(signum).name}: left at once without a new checkpoint; {kept}")
+            print_line(f"stopped by a second {signal.Signals(signum).name}: left at once without a new checkpoint; "
+                       f"{kept}", error=False)
         self._exit(128 + signum)
 
     def _give_up(self, before_sigkill: bool) -> None:
@@ -330,12 +324,12 @@ class StopSignals:
         kept = f"the last one, {path}, is kept" if (path := self._last_checkpoint()) else "none was written yet"
         if before_sigkill:
             seconds, who, setting = kill_budget(self.received)
-            report(f"the stop after {self.reason} did not save its step within {usable_s(seconds):.0f} s, and {who} "
-                   f"sends SIGKILL {seconds:.0f} s after the signal ({setting}; {took}); exiting without a new "
-                   f"checkpoint, {kept}")
+            print_line(f"the stop after {self.reason} did not save its step within {usable_s(seconds):.0f} s, and "
+                       f"{who} sends SIGKILL {seconds:.0f} s after the signal ({setting}; {took}); exiting without a "
+                       f"new checkpoint, {kept}", local_rank_0_only=True)
         else:
-            report(f"the run is stuck: nothing finished within {patience_s:.0f} s after {self.reason} "
-                   f"({took}; a rank hangs); exiting without a new checkpoint, {kept}")
+            print_line(f"the run is stuck: nothing finished within {patience_s:.0f} s after {self.reason} "
+                       f"({took}; a rank hangs); exiting without a new checkpoint, {kept}", local_rank_0_only=True)
         self._exit(128 + self.received)
 
     def _exit(self, status: int) -> None:
@@ -454,8 +448,8 @@ def forwarded_to_children():
     except torch.multiprocessing.ProcessExitedException as error:
         if not forwarded or error.exit_code != -forwarded[0]:
             raise
-        _say(f"stopped by {signal.Signals(forwarded[0]).name} while starting; nothing was trained, "
-             "no checkpoint written")
+        print_line(f"stopped by {signal.Signals(forwarded[0]).name} while starting; nothing was trained, "
+                   "no checkpoint written", error=False)
         sys.exit(128 + forwarded[0])
     finally:
         for signum, handler in previous.items():

@@ -142,7 +142,8 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path):
 def test_every_flag_has_help(module, monkeypatch):
     script = importlib.import_module(module)
     parsers = []
-    monkeypatch.setattr(script.flags, "parse", lambda parser, argv=None: parsers.append(parser))
+    parse = script.flags.parse
+    monkeypatch.setattr(script.flags, "parse", lambda parser, argv=None: parsers.append(parser) or parse(parser, argv))
     script.parse_args([])
     (parser,) = parsers
     missing = [action.option_strings for action in parser._actions if action.option_strings and not action.help]

@@ -6,7 +6,6 @@ flags (it passed on an H200: benchmarks/results/gpu-h200). ResNet-18 itself is n
 compiling on a fast 2-core machine, in bfloat16, which the slower development CPU emulates some 18x slower."""
 import math
 import sys
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -67,7 +66,7 @@ def compiled_runs(rank, world_size, steps: int) -> list:
         model = CpuSyncBatchNorm.convert_sync_batchnorm(SmallNet())
         run_epoch = cuda_graphs.CapturedSteps(script.train_one_epoch, device) if graphed else script.train_one_epoch
         model = DDP(model, bucket_cap_mb=1)
-        techniques.compile_if_asked(model, SimpleNamespace(compile=compiled, cuda_graphs=graphed))
+        techniques.compile_if_asked(model, compiled, cuda_graphs=graphed)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, fused=True)
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))

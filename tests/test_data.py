@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 import torchvision
 from torch.utils.data import DistributedSampler
 
-from utils import data
+from utils import data, loaders
 from utils.errors import UsageError
 
 
@@ -176,9 +176,10 @@ def _indices(loader, dataset):
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_test_shards_cover_the_test_set_exactly_once(world_size):
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
-    args = SimpleNamespace(workers=0)
+    args = SimpleNamespace(workers=0, loader="dataloader")
     envs = [SimpleNamespace(rank=r, world_size=world_size, device=torch.device("cpu")) for r in range(world_size)]
-    seen = [i for env in envs for i in data.test_loader(dataset, per_rank_batch=4, env=env, args=args).dataset.indices]
+    shards = [loaders.test_loader(dataset, per_rank_batch=4, env=env, args=args).dataset.indices for env in envs]
+    seen = [i for shard in shards for i in shard]
     assert sorted(seen) == list(range(10))
 
 

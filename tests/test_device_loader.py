@@ -7,7 +7,7 @@ import torchvision.transforms.v2.functional as TF
 from torch.overrides import TorchFunctionMode
 from torch.utils.data import DistributedSampler
 
-from utils import data, device_loader
+from utils import data, device_loader, loaders
 from utils.device_loader import DeviceTestLoader, DeviceTrainLoader
 from utils.errors import UsageError
 
@@ -25,7 +25,7 @@ def sampler(dataset, rank, world_size, seed):
 def both_train_loaders(dataset, batch, rank, world_size, seed):
     """The DataLoader and the device loader over one sampler."""
     shared = sampler(dataset, rank, world_size, seed)
-    return shared, [data.train_loader(dataset, shared, per_rank_batch=batch, env=env(rank, world_size),
+    return shared, [loaders.train_loader(dataset, shared, per_rank_batch=batch, env=env(rank, world_size),
                                       args=SimpleNamespace(workers=0, loader=loader))
                     for loader in ("dataloader", "device")]
 
@@ -49,7 +49,7 @@ def test_device_test_batches_equal_the_dataloader_shard():
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
     for world_size in (1, 2, 3):
         for rank in range(world_size):
-            reference, device = [data.test_loader(dataset, per_rank_batch=3, env=env(rank, world_size),
+            reference, device = [loaders.test_loader(dataset, per_rank_batch=3, env=env(rank, world_size),
                                                   args=SimpleNamespace(workers=0, loader=loader))
                                   for loader in ("dataloader", "device")]
             expected, got = list(reference), list(device)

@@ -43,7 +43,7 @@ def run_args(output_dir="", **overrides):
         "batch_size": GLOBAL_BATCH,
         "seed": 0, "output_dir": str(output_dir), "keep": 2, "resume": None, "restart": False, "init_from": None,
         "save_every_steps": 0, "evaluate": False, "dataset": "synthetic", "train_samples": None,
-        "no_augment": False, "no_sync_bn": False, **overrides})
+        "no_augment": False, "no_sync_bn": False, "optimizer_impl": "auto", **overrides})
 
 
 def env_of(rank, world_size):

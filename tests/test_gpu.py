@@ -66,15 +66,15 @@ def test_device_loader_on_cuda_gives_the_cpu_batches():
     """The draws are exact integer arithmetic and the rest is element-wise: CUDA batches equal the CPU's."""
     from types import SimpleNamespace
 
-    from utils import data
+    from utils import data, loaders
     dataset = data.Images(*data.synthetic(40, train=True), augment=True, seed=5)
     from torch.utils.data import DistributedSampler
     sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=5, drop_last=True)
     sampler.set_epoch(1)
     args = SimpleNamespace(workers=0, loader="device")
-    loaders = [data.train_loader(dataset, sampler, per_rank_batch=8, env=SimpleNamespace(device=torch.device(d)),
-                                 args=args) for d in ("cpu", "cuda")]
-    for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(*(loader.epoch(1) for loader in loaders),
+    batches = [loaders.train_loader(dataset, sampler, per_rank_batch=8, env=SimpleNamespace(device=torch.device(d)),
+                                    args=args) for d in ("cpu", "cuda")]
+    for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(*(loader.epoch(1) for loader in batches),
                                                                     strict=True):
         torch.testing.assert_close(gpu_images.cpu(), cpu_images, rtol=0, atol=1e-6)
         assert torch.equal(gpu_targets.cpu(), cpu_targets)

@@ -17,7 +17,7 @@ from processes import Run, process_tree
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
 
 import distributed_live_recovery  # noqa: E402
-from utils import fault_tolerance  # noqa: E402
+from utils import live_recovery  # noqa: E402
 from utils.spawn import free_port  # noqa: E402
 
 SCRIPT = "distributed_live_recovery.py"
@@ -27,7 +27,7 @@ SCRIPT = "distributed_live_recovery.py"
 def lighthouse():
     """A torchft lighthouse of the test's own, as the README starts one (a quorum of one group is enough); its
     address."""
-    with fault_tolerance.lighthouse_of_our_own(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
+    with live_recovery.lighthouse_of_our_own(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
         yield address
 
 
@@ -120,13 +120,31 @@ def test_bad_flags_are_one_line(capsys, tmp_path):
     cases = {("--replica-group", "2", "--replica-groups", "2"): "--replica-group 2 is not below --replica-groups 2",
              ("--min-replica-groups", "3"): "--min-replica-groups 3 is more than --replica-groups 2",
              ("--lighthouse", "localhost:29510"): "is not an address like http://host:29510",
-             ("--comm-hook", "fp16"): "--comm-hook: the gradients already leave through torchft's hook",
-             ("--static-graph",): "--static-graph: DDP would rebuild its buckets"}
+             # DDP's technique flags are not offered: the gradients leave through the script's hook, and every group
+             # keeps DDP's buckets as built
+             ("--comm-hook", "fp16"): "unrecognized arguments: --comm-hook fp16",
+             ("--static-graph",): "unrecognized arguments: --static-graph",
+             ("--cuda-graphs",): "unrecognized arguments: --cuda-graphs"}
     for flags, words in cases.items():
         said = run_main(distributed_live_recovery.main, TINY + ["--output-dir", str(tmp_path / "out"), *flags], capsys)
         assert said.returncode == 2 and words in said.stderr, (flags, said)
         assert len(said.stderr.strip().splitlines()) == 1, said.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_plumbing_changes_nothing():
+    """utils/live_recovery.py sets no RUST_LOG, warning filter or log filter when imported: only the script's call of
+    import_torchft_with_quiet_logs does (a fresh interpreter: this one imported the script)."""
+    state = ("print(os.environ.get('RUST_LOG'), "
+             "sum(bool(f[1] and f[1].pattern.startswith('The given buffer')) for f in warnings.filters), "
+             "len(logging.getLogger('torchft.manager').filters))")
+    code = (f"import logging, os, warnings; import utils.live_recovery; {state}; "
+            f"utils.live_recovery.import_torchft_with_quiet_logs(); {state}")
+    env = {key: value for key, value in subprocess_env().items() if key != "RUST_LOG"}
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=100)
+    assert result.stdout.split("\n")[:2] == ["None 0 0", "warn 1 1"], result
 
 
 def test_no_lighthouse_is_one_line(capsys, tmp_path):
@@ -154,10 +172,10 @@ def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, mon
     threading.Thread(target=heartbeat, daemon=True).start()
     try:
         deadline = time.monotonic() + 5
-        while fault_tolerance.live_replica_groups(lighthouse) != {1}:
+        while live_recovery.live_replica_groups(lighthouse) != {1}:
             assert time.monotonic() < deadline
             time.sleep(0.1)
-        monkeypatch.setattr(fault_tolerance, "HEARTBEATS_OVERDUE_S", 1.0)
+        monkeypatch.setattr(live_recovery, "HEARTBEATS_OVERDUE_S", 1.0)
         said = run_main(distributed_live_recovery.main, TINY + ["--output-dir", str(tmp_path), "--device", "cpu",
                                                                 "--lighthouse", lighthouse, "--replica-group", "1"],
                         capsys)
@@ -165,7 +183,7 @@ def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, mon
         assert said.stderr.strip().endswith(f"error: replica group 1 is already training (the "
                                     f"lighthouse at {lighthouse} has its heartbeats): give each group its own "
                                     "--replica-group"), said.stderr
-        fault_tolerance.check_lighthouse(distributed_live_recovery.parse_args(["--lighthouse", lighthouse]))
+        live_recovery.check_lighthouse(distributed_live_recovery.parse_args(["--lighthouse", lighthouse]))
     finally:
         beating.clear()
 

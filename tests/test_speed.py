@@ -80,12 +80,10 @@ def test_bad_technique_flags_are_one_line_errors(argv, capsys):
 
 
 def test_fused_optimizer_impl_needs_torch_sgd():
-    from types import SimpleNamespace
-
     from utils.errors import UsageError
-    assert techniques.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.SGD) == {"fused": True}
+    assert techniques.optimizer_options("fused", torch.optim.SGD) == {"fused": True}
     with pytest.raises(UsageError):
-        techniques.optimizer_options(SimpleNamespace(optimizer_impl="fused"), torch.optim.Adam)
+        techniques.optimizer_options("fused", torch.optim.Adam)
 
 
 @pytest.mark.slow

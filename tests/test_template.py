@@ -140,7 +140,7 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     copy = tmp_path / "lean"
     copy.mkdir()
     shutil.copy(ROOT / "distributed.py", copy)
-    others = ("spawn.py", "gpus.py", "precision.py", "device_loader.py")  # as docs/template.md says
+    others = ("spawn.py", "gpus.py", "precision.py", "cuda_graphs.py", "live_recovery.py")  # as docs/template.md says
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__", *others))
     replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
     subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)

@@ -48,18 +48,20 @@ from utils.errors import UsageError
 WARMUP_STEPS = 11  # torch's notes: at least 11 DDP-enabled eager iterations before capture
 
 
-def add_flag(group) -> None:
-    group.add_argument("--cuda-graphs", action="store_true",
-                       help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in "
-                            "a CUDA graph and replay it every step: one launch instead of thousands. Needs a GPU, "
-                            "--loader device, and bfloat16 or float32 (not float16's loss scaling); with --compile the "
-                            "graph holds the compiled kernels")
+def add_flag(parser) -> None:
+    """--cuda-graphs, among the parser's speed techniques, with its check (why_not) run after parsing."""
+    parser.checks.append(why_not)
+    parser.group("speed techniques").add_argument("--cuda-graphs", action="store_true",
+        help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in a CUDA graph "
+             "and replay it every step: one launch instead of thousands. Needs a GPU, --loader device, and bfloat16 or "
+             "float32 (not float16's loss scaling); with --compile the graph holds the compiled kernels")
 
 
 def why_not(args) -> str | None:
     """Why --cuda-graphs cannot run with these flags (one line), or None: a parser check."""
     if not args.cuda_graphs:
         return None
+    # getattr: --opt-level, --amp-dtype and --optimizer are distributed_apex.py's flags (the others: float32, SGD)
     reasons = [_no_gpu(args),
                "--cuda-graphs replays the step on batches made on the GPU: add --loader device (DataLoader workers "
                "would feed each replay through the host)" if args.loader != "device" else None,

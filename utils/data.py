@@ -1,4 +1,5 @@
-"""CIFAR-100 and a synthetic stand-in, augmentation, and the loaders that keep the data-order contract.
+"""CIFAR-100 and a synthetic stand-in, augmentation, and the DataLoader path that keeps the data-order contract
+(utils/loaders.py picks it or utils/device_loader.py's by --loader).
 
 Data order: DistributedSampler deals a seeded permutation of the training set to the ranks in turn
 (rank r takes positions r, r+W, r+2W, ...), so global step k trains on permutation[k*B:(k+1)*B] at
@@ -123,10 +124,6 @@ def add_flags(parser) -> None:
                        help="use the first N test images")
     group.add_argument("--no-augment", action="store_true", help="turn off random crop and horizontal flip")
     group.add_argument("--workers", type=flags.non_negative_int, default=4, help="DataLoader worker processes per rank")
-    group.add_argument("--loader", choices=["dataloader", "device"], default="dataloader",
-                       help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; "
-                            "device: the whole set held on the training device, augmented there in batches, no "
-                            "worker processes (fastest on GPU). Both give the same batches")
 
 
 def datasets(args, env) -> tuple[Dataset, Dataset]:
@@ -276,22 +273,3 @@ def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size:
     to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
     shard = Subset(dataset, range(rank, len(dataset), world_size))
     return DataLoader(shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers))
-
-
-def train_loader(dataset: Images, sampler: DistributedSampler, *, per_rank_batch: int, env, args):
-    """This rank's training batches in the order of `sampler`, by --loader: DataLoader workers (dataloader)
-    or made on env.device (device). The same batches either way, so a run may resume with the other loader.
-    Each epoch: sampler.set_epoch(epoch), then loader.epoch(epoch, start_step)."""
-    if getattr(args, "loader", "dataloader") == "device":  # a speed technique, in a module of its own
-        from utils.device_loader import DeviceTrainLoader
-        return DeviceTrainLoader(dataset, sampler, per_rank_batch, env.device)
-    return TrainLoader(dataset, sampler, per_rank_batch, args.workers, pin=env.device.type == "cuda")
-
-
-def test_loader(dataset: Images, *, per_rank_batch: int, env, args):
-    """This rank's share of the test set, unpadded (so every image counts once), by --loader."""
-    if getattr(args, "loader", "dataloader") == "device":
-        from utils.device_loader import DeviceTestLoader
-        return DeviceTestLoader(dataset, per_rank_batch, env)
-    return test_dataloader(dataset, per_rank_batch, env.rank, env.world_size, args.workers,
-                           pin=env.device.type == "cuda")

@@ -7,6 +7,7 @@ import tempfile
 import traceback
 
 import torch.distributed
+from tqdm import tqdm
 
 
 class OneLineError(Exception):
@@ -28,19 +29,20 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
-def report(message: str) -> None:
-    """Print one error line; under a launcher only local rank 0 of each machine speaks, so the N ranks
-    of a machine do not repeat it (and a machine that cannot reach the others still says why)."""
-    if os.environ.get("LOCAL_RANK", "0") == "0":
-        prog = os.path.basename(sys.argv[0]) or "python"
-        print(f"{prog}: error: {message}", file=sys.stderr, flush=True)
-
-
-def say(message: str) -> None:
-    """Print one error line from this process, whichever rank it is (named when a launcher started it)."""
-    prog = os.path.basename(sys.argv[0]) or "python"
-    rank = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
-    print(f"{prog}: error: {rank}{message}", file=sys.stderr, flush=True)
+def print_line(message: str, *, error: bool = True, local_rank_0_only: bool = False, rank_named: bool = False):
+    """The collection's one printer of a line for the user: "<script>: error: <message>" on stderr (error=False: no
+    "error: "), above rank 0's progress bar where stderr is a terminal. local_rank_0_only: under a launcher only
+    local rank 0 of each machine prints it, so the N ranks of a machine do not repeat what all of them know (and a
+    machine that cannot reach the others still says why). rank_named: "rank R: " before the message, when a
+    launcher started this process (RANK is set): what only this rank knows."""
+    if local_rank_0_only and os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    rank = f"rank {os.environ['RANK']}: " if rank_named and "RANK" in os.environ else ""
+    line = f"{os.path.basename(sys.argv[0]) or 'python'}: {'error: ' if error else ''}{rank}{message}"
+    if sys.stderr.isatty():
+        tqdm.write(line, file=sys.stderr)
+    else:
+        print(line, file=sys.stderr, flush=True)
 
 
 # gloo's words when the other end of a connection is gone: a rank that failed, or was killed
@@ -118,18 +120,19 @@ def exit_on_error():
     try:
         yield
     except OneLineError as error:
-        report(str(error))
+        print_line(str(error), local_rank_0_only=True)
         _exit(error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
-        say(f"{missing_file_line(error)} (check --data-dir and the paths given)")  # your datasets(), say
+        # your datasets(), say: a path only this rank may lack
+        print_line(f"{missing_file_line(error)} (check --data-dir and the paths given)", rank_named=True)
         _exit(UsageError.exit_status)
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
         if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
-            report(rendezvous_line(error))
+            print_line(rendezvous_line(error), local_rank_0_only=True)
             _exit(UsageError.exit_status)
         if lost_a_peer(error):  # another rank failed, or was killed: it, or the launcher, says why
             _exit(1)
-        say(crash_line(error))
+        print_line(crash_line(error), rank_named=True)
         _exit(1)
 
 

@@ -1,4 +1,5 @@
-"""The command-line flags every script shares, in --help groups, and the checks that need no process group."""
+"""The parser every script uses, the groups of flags every script shares (each script adds those it reads), and the
+checks that need no process group."""
 import argparse
 import math
 import os
@@ -6,7 +7,6 @@ import re
 import socket
 import sys
 
-from utils import techniques
 from utils.errors import UsageError
 
 
@@ -45,8 +45,8 @@ def _dashes(argv):
 
 
 def make_parser(doc: str, script: str) -> Parser:
-    """An empty parser for `script`: the script adds its own flags first, then add_shared_flags (and
-    SafetyNet.add_flags)."""
+    """An empty parser for `script`: the script adds its flags, group by group (its own first), then parses with
+    parse()."""
     return Parser(
         prog=os.path.basename(script),
         description=" ".join(doc.strip().split("\n\n")[0].split()),  # the docstring's first paragraph
@@ -55,10 +55,9 @@ def make_parser(doc: str, script: str) -> Parser:
     )
 
 
-def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = False) -> None:
-    """The flags every script has, in groups (after the script's own and utils.data.add_flags's); `distributed`
-    adds those of a process group and DDP's; `sharded` (FSDP) leaves DDP's out and adds --reshard-after-forward.
-    The safety net's (--output-dir, checkpoints, --print-freq) are SafetyNet.add_flags's."""
+def add_training_flags(parser: Parser) -> None:
+    """The optimisation's flags, in the group "training": --epochs, --batch-size, --lr (None unless given: the script
+    applies scaled_lr), --warmup-epochs, --momentum, --weight-decay, --seed."""
     train = parser.group("training")
     train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
     train.add_argument("--batch-size", type=positive_int, default=256,
@@ -74,24 +73,22 @@ def add_shared_flags(parser: Parser, distributed: bool = True, sharded: bool = F
     train.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     train.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
-    if distributed:
-        train.add_argument("--no-sync-bn", action="store_true",
-                           help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
+
+
+def add_device_flags(parser: Parser, process_group: bool = True) -> None:
+    """--device, in the group "processes and devices"; `process_group` adds the flags of a script with one process
+    per device: --backend, --dist-timeout and --no-sync-bn."""
     procs = parser.group("processes and devices")
     procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="auto: cuda when a GPU is visible")
-    if distributed:
-        procs.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                           help="process-group backend; auto: nccl on GPU, gloo on CPU")
-        procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
-                           help="how long a collective waits for a missing rank before the run fails")
-    if sharded:
-        parser.group("sharding").add_argument(
-            "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-            help="free each stage's gathered weights after its forward and gather them again for backward (least "
-                 "memory, like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather "
-                 "fewer per stage and step, like ZeRO-2)")
-    parser.checks += techniques.add_flags(parser.group("speed techniques"), ddp=distributed and not sharded)
+    if not process_group:
+        return
+    procs.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                       help="process-group backend; auto: nccl on GPU, gloo on CPU")
+    procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
+                       help="how long a collective waits for a missing rank before the run fails")
+    procs.add_argument("--no-sync-bn", action="store_true",
+                       help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
 
 
 def add_torchrun_flags(parser: Parser) -> None:
@@ -106,9 +103,8 @@ def add_torchrun_flags(parser: Parser) -> None:
 
 
 def parse(parser: Parser, argv=None) -> argparse.Namespace:
+    """The parsed flags, after every check the flag groups added (a failed one: its line, exit status 2)."""
     args = parser.parse_args(_dashes(sys.argv[1:] if argv is None else list(argv)))
-    if getattr(args, "lr", 0) is None:  # the rate 0.1 belongs to the global batch 256: scaled with it
-        args.lr = scaled_lr(args.batch_size)
     for check in parser.checks:
         if problem := check(args):
             parser.error(problem)

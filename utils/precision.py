@@ -68,9 +68,9 @@ def _check_apex_optimizer(args) -> str | None:
     return None
 
 
-def optimizer_class(args):
-    """torch.optim.SGD, or apex's FusedSGD for --optimizer apex-fused-sgd (checked at parse time)."""
-    if getattr(args, "optimizer", "sgd") == "sgd":
+def optimizer_class(name: str):
+    """torch.optim.SGD for --optimizer sgd, or apex's FusedSGD for apex-fused-sgd (checked at parse time)."""
+    if name == "sgd":
         return torch.optim.SGD
     from apex.optimizers import FusedSGD
     return FusedSGD

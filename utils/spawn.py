@@ -82,6 +82,7 @@ def complete_and_check_spawn_flags(args) -> None:
     split, --ip); on node 0, the rendezvous port checked, or a free one chosen when --port is not given."""
     args.nprocs = args.nprocs or default_nprocs(args.device)
     check_launch(args, local_processes=args.nprocs)
+    # getattr: --grad-accu-steps is distributed_gradient_accumulation.py's own flag (the others step whole batches)
     flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
     flags.check_address(args.ip)
     prepare_rendezvous(args)

@@ -1,6 +1,7 @@
 """The speed techniques the scripts can switch on, each behind a flag: DDP's settings, gradient
-compression hooks, channels-last memory, torch.compile, the optimizer's step implementation, and (in a module of
-its own, utils/cuda_graphs.py) the whole step replayed from a CUDA graph.
+compression hooks, channels-last memory, torch.compile, the data set held on the device (--loader device,
+utils/device_loader.py), the optimizer's step implementation, and (in a module of its own, utils/cuda_graphs.py)
+the whole step replayed from a CUDA graph.
 
 Each is torch's own part; this module only maps the flags onto it. Without a flag DDP runs as torch ships
 it (no communication hook).
@@ -11,27 +12,36 @@ import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from utils import cuda_graphs
 from utils.errors import UsageError
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 
 
-def add_flags(group, ddp: bool) -> list:
-    """The technique flags, into an argparse group; `ddp` adds DDP's (DataParallel and FSDP have none of them),
-    with --cuda-graphs. Returns the parser checks of the flags added."""
+def add_flags(parser) -> None:
+    """The techniques of every script, in the parser's group "speed techniques": --channels-last, --compile,
+    --loader, --optimizer-impl. DDP's are add_ddp_flags's; --cuda-graphs is utils/cuda_graphs.py's add_flag."""
+    group = parser.group("speed techniques")
     add = group.add_argument
     on_off = argparse.BooleanOptionalAction
     add("--channels-last", action=on_off, default=False,
         help="keep weights and activations in NHWC order (faster convolutions on tensor cores)")
     add("--compile", action=on_off, default=False,
         help="torch.compile the model (the first steps pay for compilation; needs a C++ compiler on the CPU)")
+    add("--loader", choices=["dataloader", "device"], default="dataloader",
+        help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; device: the whole "
+             "set held on the training device, augmented there in batches, no worker processes (fastest on GPU; "
+             "CIFAR-shaped data.Images sets only). Both give the same batches")
     add("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
         help="how SGD updates the weights: one tensor at a time (for-loop), batched (foreach), one fused "
              "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU), fused with --cuda-graphs")
-    if not ddp:
-        return []
+
+
+def add_ddp_flags(parser) -> None:
+    """DDP's settings, among the speed techniques: --bucket-cap-mb, --gradient-as-bucket-view, --static-graph,
+    --comm-hook (DataParallel and FSDP have none of them)."""
+    add = parser.group("speed techniques").add_argument
+    on_off = argparse.BooleanOptionalAction
     add("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
         help="DDP gradient bucket size: one all-reduce per bucket, started as soon as the bucket is full; "
              "default: torch's (25 MB, and 1 MB for the first bucket)")
@@ -42,8 +52,6 @@ def add_flags(group, ddp: bool) -> list:
     add("--comm-hook", choices=COMM_HOOKS, default="none",
         help="gradient compression before the all-reduce: none (float32), fp16/bf16 (half the bytes), "
              "powersgd (low-rank, from the second epoch on; for slow links)")
-    cuda_graphs.add_flag(group)
-    return [cuda_graphs.why_not]
 
 
 def positive_float(text: str) -> float:
@@ -78,21 +86,21 @@ def memory_format(args) -> torch.memory_format:
     return torch.channels_last if args.channels_last else torch.contiguous_format
 
 
-def compile_if_asked(model: nn.Module, args) -> None:
+def compile_if_asked(model: nn.Module, asked: bool, cuda_graphs: bool = False) -> None:
     """--compile: compile the model in place (nn.Module.compile keeps its state_dict keys and .module), in
-    torch.compile's default mode: fused kernels, no CUDA graphs. With --cuda-graphs, inductor's own CUDA graphs stay
-    off even if TORCHINDUCTOR_CUDAGRAPHS=1 asks: utils/cuda_graphs.py captures the whole step around the compiled
-    kernels, and inductor's graphs (cudagraph trees) manage their memory in Python at each call, which a replay of
-    the outer graph skips."""
-    if args.compile:
-        model.compile(options={"triton.cudagraphs": False} if getattr(args, "cuda_graphs", False) else None)
+    torch.compile's default mode: fused kernels, no CUDA graphs. With `cuda_graphs` (--cuda-graphs), inductor's own
+    CUDA graphs stay off even if TORCHINDUCTOR_CUDAGRAPHS=1 asks: utils/cuda_graphs.py captures the whole step around
+    the compiled kernels, and inductor's graphs (cudagraph trees) manage their memory in Python at each call, which a
+    replay of the outer graph skips."""
+    if asked:
+        model.compile(options={"triton.cudagraphs": False} if cuda_graphs else None)
 
 
-def optimizer_options(args, optimizer_class) -> dict:
-    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl (auto with --cuda-graphs: fused)."""
-    impl = getattr(args, "optimizer_impl", "auto")
-    if impl == "auto" and getattr(args, "cuda_graphs", False):
-        return {"fused": True}  # the step that reads the learning rate from a tensor (utils/cuda_graphs.py)
+def optimizer_options(impl: str, optimizer_class, cuda_graphs: bool = False) -> dict:
+    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl `impl` (auto with `cuda_graphs`:
+    fused, the step that reads the learning rate from a tensor the graph sees: utils/cuda_graphs.py)."""
+    if impl == "auto" and cuda_graphs:
+        return {"fused": True}
     if impl == "auto":
         return {}
     if optimizer_class is not torch.optim.SGD:

@@ -1,9 +1,10 @@
 """Plumbing of distributed_live_recovery.py, the DDP script that trains on when a replica group dies (torchft).
 
 Its flags (the lighthouse, this replica group, how many there are), the checks before a group starts (torchft
-installed, the lighthouse answers, no live group has this group's id), where this group's store is, and the
-gradient hook that averages within the group and then over the groups of the quorum, and a lighthouse of their own
-for the tests and the benchmark. What torchft does (the quorum, the manager, healing) stays in the script.
+installed, the lighthouse answers, no live group has this group's id), torchft imported with quieter logs, where
+this group's store is, and the manager's timeouts. What live recovery is made of (the manager, the gradient hook,
+BatchNorm's statistics averaged between the groups, healing) stays in the script. Importing this module changes
+nothing: torchft's logs are quieted by import_torchft_with_quiet_logs, when the script calls it.
 """
 import contextlib
 import datetime
@@ -18,30 +19,14 @@ import urllib.error
 import urllib.request
 import warnings
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
 from utils.errors import UsageError
 from utils.flags import non_negative_int, positive_int
 from utils.spawn import free_port
 
-# torchft's coordinator (Rust) logs every step's quorum at INFO, three lines a step; warnings and errors only,
-# unless RUST_LOG says otherwise. Read once, when torchft is imported: import this module first.
-os.environ.setdefault("RUST_LOG", "warn")
-# a healing group reads the state from a bytes buffer, which torch warns about and never writes to
-warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
-
 LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port
 HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive on the lighthouse
-# techniques that change what DDP sends or when: the gradients leave through this module's hook, and every group
-# must keep DDP's buckets as built (a group that joins late has a fresh DDP)
-REFUSED = {"comm_hook": ("none", "--comm-hook: the gradients already leave through torchft's hook"),
-           "static_graph": (False, "--static-graph: DDP would rebuild its buckets after the first step, and a group "
-                                   "that joins later would send its gradients in another layout"),
-           "cuda_graphs": (False, "--cuda-graphs: torchft's quorum and commit run on the host between the steps")}
-
-
 def add_flags(parser) -> None:
     """The flags of live recovery, in a group of their own; each defaults to the variable torchft's examples use."""
     group = parser.group("live recovery (torchft)")
@@ -65,7 +50,7 @@ def add_flags(parser) -> None:
 
 def _why_not(args) -> str | None:
     try:
-        import torchft  # noqa: F401
+        import torchft  # noqa: F401  (the script imported it first, with quiet logs: import_torchft_with_quiet_logs)
     except ImportError:
         return "torchft is not installed: pip install torchft (PyTorch's fault-tolerance library)"
     if args.replica_group >= args.replica_groups:
@@ -75,9 +60,6 @@ def _why_not(args) -> str | None:
         return f"--min-replica-groups {args.min_replica_groups} is more than --replica-groups {args.replica_groups}"
     if not re.fullmatch(r"https?://[^/\s]+/?", args.lighthouse):
         return f"--lighthouse {args.lighthouse!r} is not an address like http://host:{LIGHTHOUSE_PORT}"
-    for flag, (default, why) in REFUSED.items():
-        if getattr(args, flag, default) != default:
-            return f"{why}; drop it with live recovery"
     return None
 
 
@@ -108,6 +90,30 @@ def live_replica_groups(lighthouse: str) -> set[int]:
         raise UsageError(f"no lighthouse answers at {lighthouse} ({reason}); start one first: torchft_lighthouse "
                          f"--min_replicas 1 --bind [::]:{LIGHTHOUSE_PORT}") from None
     return {int(group) for old, group in re.findall(r'class="heartbeat\s+(old\s+)?">\s*(\d+):', page) if not old}
+
+
+def import_torchft_with_quiet_logs():
+    """torchft, or None when it is not installed (the flags' check then says so in one line), imported with: its
+    coordinator's (Rust) logs at warnings and errors unless RUST_LOG says otherwise (at INFO it logs every step's
+    quorum, three lines a step; read once, at the import), a lost peer logged in one line without a traceback per
+    failed all-reduce, and no warning that a healing group reads the state from a bytes buffer (torch warns that it
+    is not writable; nothing writes to it)."""
+    os.environ.setdefault("RUST_LOG", "warn")
+    warnings.filterwarnings("ignore", message="The given buffer is not writable", category=UserWarning)
+    logging.getLogger("torchft.manager").addFilter(_NoTracebacks())
+    try:
+        import torchft
+    except ImportError:
+        return None
+    return torchft
+
+
+class _NoTracebacks(logging.Filter):
+    """torchft logs a lost peer with a traceback per failed all-reduce; its one line says enough."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info = record.exc_text = None
+        return True
 
 
 @contextlib.contextmanager
@@ -145,46 +151,6 @@ def store_of_this_group() -> dict:
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
     return {"store_addr": os.environ["MASTER_ADDR"], "store_port": store.port}
-
-
-def average_in_group_then_across_groups(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's gradient hook: the bucket averaged over this group's processes (its own process group), then over
-    the replica groups of this step's quorum (the manager's fault-tolerant all-reduce). torchft's own DDP wrapper
-    does only the second, right for groups of one process; this runs both, so that a group may have several.
-    Written here also because torchft 0.2.0's hook fails an assertion when the all-reduce fails while waited for
-    (a group died mid-step); here the manager records the error and does not commit the step."""
-    buffer = bucket.buffer()
-    if dist.get_world_size() > 1:
-        dist.all_reduce(buffer)  # a dead process of this group fails here, and with it the whole group
-        buffer /= dist.get_world_size()
-    manager.allreduce(buffer).wait()  # the average over the groups; False on an error, which the manager keeps
-    done = torch.futures.Future()  # as torch's own noop hook: the buffer, reduced in place
-    done.set_result(buffer)
-    return done
-
-
-class _NoTracebacks(logging.Filter):
-    """torchft logs a lost peer with a traceback per failed all-reduce; its one line says enough."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info = record.exc_text = None
-        return True
-
-
-logging.getLogger("torchft.manager").addFilter(_NoTracebacks())
-
-
-def average_batchnorm_statistics(manager, model: nn.Module) -> None:
-    """Collective between the replica groups of the quorum (the manager's all-reduce), at the end of every epoch:
-    BatchNorm's running statistics, which each group gathered from its own share of the data, averaged over the
-    groups, so that every group evaluates and saves the same model. A failed all-reduce leaves them as they were
-    (and the manager does not commit the next step)."""
-    buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
-    flat = torch.cat([buffer.reshape(-1) for buffer in buffers])  # one all-reduce for all of them
-    manager.allreduce(flat).wait()
-    if manager.errored() is None:
-        for buffer, averaged in zip(buffers, flat.split([buffer.numel() for buffer in buffers]), strict=True):
-            buffer.copy_(averaged.view_as(buffer))
 
 
 def timeouts(env) -> dict:
