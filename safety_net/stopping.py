@@ -50,6 +50,9 @@ KILL_WAIT_S = 30  # torchrun (--shutdown-timeout) and SLURM (KillWait) send SIGK
 GROUP_TIMEOUT_S = 100  # the stop group's collectives
 RECENT_STEPS = 8  # the step times a stop's wait is derived from
 _LAUNCHER_GONE = "the launcher's exit"
+# the stop flag of a rank whose launcher is gone (it stops as on SIGTERM): above every signal's number, so that the
+# all-reduce's MAX carries the reason to the ranks that have not seen it yet, and rank 0 names it whichever saw it
+_LAUNCHER_GONE_FLAG = 64
 
 
 class StopSignals:
@@ -62,6 +65,7 @@ class StopSignals:
         self.received = 0  # the first stop signal this process got (0: none)
         self.reason = ""  # what rank 0 says stopped the run
         self.signum = 0  # the signal all ranks agreed to stop on (0: not agreed)
+        self.launcher_gone = False  # the agreed stop came from a launcher's exit, on this rank or another
         self.armed = False
         self.saved = False  # the stopped step's checkpoint is written: a later signal changes nothing
         self.checkpoint_path = ""  # the run's newest checkpoint (set by the safety net): what a second signal keeps
@@ -112,17 +116,17 @@ class StopSignals:
         if self.signum:
             return True
         with self._lock:  # a signal from here on is in the next step's flag: the watcher counts on it
-            flag = self.received
+            flag = self._local_flag()
             self._step += 1
             self._time_step()
         if self._group is None:  # a world of one agrees with itself
-            self.signum = flag
+            self.signum = self._agreed_on(flag)
         elif self._one_step:
             self._flag.fill_(flag)
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-            self.signum = int(self._flag.item())
+            self.signum = self._agreed_on(int(self._flag.item()))
         else:
-            self.signum = self._in_flight()
+            self.signum = self._agreed_on(self._in_flight())
             if not self.signum:
                 self._flag.fill_(flag)
                 self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
@@ -136,9 +140,11 @@ class StopSignals:
         """True on every rank iff some rank got a stop signal by now: the all-reduce in flight is waited for,
         then one more, blocking (between epochs, where a step's worth of delay would cost an evaluation)."""
         if not self._settled_locally():
-            self._flag.fill_(max(self.received, self._in_flight()))
+            with self._lock:
+                flag = self._local_flag()
+            self._flag.fill_(max(flag, self._in_flight()))
             dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group)
-            self.signum = int(self._flag.item())
+            self.signum = self._agreed_on(int(self._flag.item()))
         if self.signum:
             self._moved_on()
         else:
@@ -149,11 +155,24 @@ class StopSignals:
     def _settled_locally(self) -> bool:
         """Whether no all-reduce is needed: the ranks agreed already, or a world of one agrees with itself."""
         if not self.signum and self._group is None:
-            self.signum = self.received
+            with self._lock:
+                self.signum = self._agreed_on(self._local_flag())
         return bool(self.signum) or self._group is None
 
+    def _local_flag(self) -> int:
+        """(Holding the lock.) This rank's stop flag: its signal's number, _LAUNCHER_GONE_FLAG, or 0."""
+        return _LAUNCHER_GONE_FLAG if self.reason == _LAUNCHER_GONE else self.received
+
+    def _agreed_on(self, flag: int) -> int:
+        """The signal an agreed flag stands for (0: none): a launcher's exit on any rank is a SIGTERM that every
+        rank knows the reason of."""
+        if flag == _LAUNCHER_GONE_FLAG:
+            self.launcher_gone = True
+            return signal.SIGTERM
+        return flag
+
     def _in_flight(self) -> int:
-        """Waits for the all-reduce the last agreed() started: the largest signal any rank had then (0: none)."""
+        """Waits for the all-reduce the last agreed() started: the largest flag any rank had then (0: none)."""
         if self._work is None:
             return 0
         self._work.wait()
@@ -216,7 +235,7 @@ class StopSignals:
         if self._group is not None:
             dist.barrier(group=self._group)
         if is_main:
-            why = self.reason if self.reason == _LAUNCHER_GONE else self.name
+            why = _LAUNCHER_GONE if self.launcher_gone else self.name
             print(f"stopped by {why} at epoch {epoch + 1}, step {step}/{steps}: checkpoint written to {path}; "
                   "run the same command to continue", flush=True)
             if self.signum == signal.SIGUSR1 and (requeued := requeue_slurm_job()):
