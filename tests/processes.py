@@ -5,7 +5,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import ROOT, subprocess_env
+from script_runs import ROOT, subprocess_env
 
 
 def process_tree(pid: int) -> list[int]:

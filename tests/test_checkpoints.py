@@ -11,8 +11,8 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TINY, check, launcher, load_checkpoint, read_metrics, run
 from processes import Run, alive, process_tree
+from script_runs import ROOT, TINY, check, launcher, load_checkpoint, read_metrics, run
 from torch import nn
 
 from safety_net import checkpoint

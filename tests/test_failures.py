@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 from markers import gpu_test
+from script_runs import ROOT, subprocess_env
 
 FAILURES = ROOT / "failures"
 PROGRAMS = sorted(path.name for path in FAILURES.glob("[!_]*.py"))

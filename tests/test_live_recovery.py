@@ -11,8 +11,8 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
 from processes import Run, process_tree
+from script_runs import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
 
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
 

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
+from script_runs import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
 from torch import nn
 
 from safety_net import checkpoint
