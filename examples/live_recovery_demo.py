@@ -11,6 +11,10 @@ and compares every group's final checkpoint: the same weights, bit for bit, or e
 
 Ctrl-C (or SIGTERM) stops every group at a step, each writing its checkpoint, and leaves no process behind.
 Each group's whole output is in <output-dir>/replica_group_<g>.log; the lighthouse's in <output-dir>/lighthouse.log.
+
+Run as a script, the demo has only its own folder on its import path, not the repository's packages: it imports torch
+only to compare the checkpoints at the end, and otherwise the standard library and the module beside it
+(local_processes.py), which keeps to the standard library for it.
 """
 import argparse
 import contextlib
@@ -25,6 +29,8 @@ import sys
 import threading
 import time
 import urllib.request
+
+from local_processes import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "distributed_live_recovery.py")
@@ -129,22 +135,6 @@ class Group:
                     else [self.process.pid]):
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
-
-
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid`, from /proc (Linux, as torchft is)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
 
 
 def wait_until(condition, what: str, groups) -> None:

@@ -11,8 +11,10 @@ from datetime import timedelta
 
 import pytest
 import torch
-from processes import Run, process_tree
+from processes import Run
 from script_runs import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
+
+from examples.local_processes import process_tree
 
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
 
