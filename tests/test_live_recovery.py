@@ -14,6 +14,7 @@ import torch
 from processes import Run
 from script_runs import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
 
+from examples import own_lighthouse
 from examples.local_processes import process_tree
 
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
@@ -29,7 +30,7 @@ SCRIPT = "distributed_live_recovery.py"
 def lighthouse():
     """A torchft lighthouse of the test's own, as the README starts one (a quorum of one group is enough); its
     address."""
-    with fault_tolerance.lighthouse_of_our_own(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
+    with own_lighthouse.on_a_free_port(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
         yield address
 
 
