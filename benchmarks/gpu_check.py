@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from examples.local_processes import session_members
 from utils import flags
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,14 +94,12 @@ def steps(out: Path) -> list[Step]:
 def left_in_session(sid: int) -> list[str]:
     """The processes still in session `sid` (a step's), as 'pid command'."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for pid in session_members(sid):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[3]) == sid:  # the fields after the command: state, ppid, pgrp, session
-                command = (stat.parent / "cmdline").read_bytes()[:120].replace(b"\0", b" ").decode(errors="replace")
-                found.append(f"{stat.parent.name} {command}")
-        except (OSError, IndexError, ValueError):
+            command = Path(f"/proc/{pid}/cmdline").read_bytes()[:120].replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # it ended since
             continue
+        found.append(f"{pid} {command}")
     return found
 
 

@@ -53,7 +53,8 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
-from utils import flags, live_recovery, precision
+from examples import own_lighthouse
+from utils import flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
 EPOCH_IMAGES = 50_000
@@ -258,7 +259,7 @@ def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.Com
     benchmark (Ctrl-C, SIGTERM) stops them as run_stoppable stops its launcher. The first group that failed gives
     the result's status and stderr."""
     try:
-        with live_recovery.lighthouse_of_our_own(min_replicas=groups) as address:
+        with own_lighthouse.on_a_free_port(min_replicas=groups) as address:
             errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
             procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups),
                                              "--lighthouse", address], cwd=ROOT, env={**env, "RUST_LOG": "warn"},

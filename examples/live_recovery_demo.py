@@ -11,20 +11,25 @@ and compares every group's final checkpoint: the same weights, bit for bit, or e
 
 Ctrl-C (or SIGTERM) stops every group at a step, each writing its checkpoint, and leaves no process behind.
 Each group's whole output is in <output-dir>/replica_group_<g>.log; the lighthouse's in <output-dir>/lighthouse.log.
+
+Run as a script, the demo has only its own folder on its import path, not the repository's packages: it imports torch
+only to compare the checkpoints at the end, and otherwise the standard library and the two modules beside it
+(local_processes.py, own_lighthouse.py), which keep to the standard library for it.
 """
 import argparse
 import contextlib
 import importlib.util
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
+
+import own_lighthouse
+from local_processes import descendants
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "distributed_live_recovery.py")
@@ -56,17 +61,12 @@ def parse_args(argv=None):
                 (min(args.kill_at_step, args.down_for_steps) < 1,
                  "--kill-at-step and --down-for-steps must be 1 or more"),
                 (importlib.util.find_spec("torchft") is None, "the demo needs torchft: pip install torchft"),
-                (lighthouse_program() is None, "torchft_lighthouse is not on PATH (pip install torchft installs it)"),
+                (own_lighthouse.program() is None,
+                 "torchft_lighthouse is not on PATH (pip install torchft installs it)"),
                 (port_taken(args.port), f"port {args.port} is in use (another lighthouse?); give another --port")]
     for problem in (message for failed, message in problems if failed):
         parser.error(problem)
     return args
-
-
-def lighthouse_program() -> str | None:
-    """torchft_lighthouse beside this Python (a virtual environment's bin/), else on PATH."""
-    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    return beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
 
 
 def port_taken(port: int) -> bool:
@@ -131,22 +131,6 @@ class Group:
                 os.kill(pid, signum)
 
 
-def descendants(pid: int) -> list[int]:
-    """The processes below `pid`, from /proc (Linux, as torchft is)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry}/stat") as stat:
-                parent = int(stat.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(parent, []).append(int(entry))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
 def wait_until(condition, what: str, groups) -> None:
     deadline = time.monotonic() + WAIT_S
     while not condition():
@@ -180,10 +164,9 @@ def main(argv=None) -> int:
     os.makedirs(args.output_dir, exist_ok=True)
     lighthouse_log = open(os.path.join(args.output_dir, "lighthouse.log"), "w")  # noqa: SIM115
     # the job's coordinator: a quorum of one group is enough to train on; a group silent 2 s is dead
-    lighthouse = subprocess.Popen([lighthouse_program(), "--min_replicas", "1", "--bind", f"[::]:{args.port}",
-                                   "--heartbeat_timeout_ms", "2000"], stdout=lighthouse_log, stderr=subprocess.STDOUT,
-                                  start_new_session=True)
-    address = f"http://localhost:{args.port}"
+    lighthouse = own_lighthouse.start(args.port, min_replicas=1, heartbeat_timeout_ms=2000, output=lighthouse_log,
+                                      new_session=True)
+    address = own_lighthouse.address(args.port)
     groups = [Group(g, args, address) for g in range(args.groups)]
     stop = []
 
@@ -193,7 +176,8 @@ def main(argv=None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, interrupt)
     try:
-        wait_for_lighthouse(address, lighthouse)
+        if not own_lighthouse.answers(lighthouse, args.port, wait_s=10):
+            raise RuntimeError("the lighthouse did not start (see lighthouse.log)")
         print(f"[demo] lighthouse at {address}; starting {args.groups} replica groups of {args.procs_per_group} "
               "process(es)", flush=True)
         for group in groups:
@@ -237,20 +221,7 @@ def main(argv=None) -> int:
     finally:
         for group in groups:
             group.signal(signal.SIGKILL)
-        lighthouse.kill()
-        lighthouse.wait()
-
-
-def wait_for_lighthouse(address: str, lighthouse: subprocess.Popen) -> None:
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            urllib.request.urlopen(address + "/status", timeout=1).close()
-            return
-        except OSError:
-            if lighthouse.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("the lighthouse did not start (see lighthouse.log)") from None
-            time.sleep(0.2)
+        own_lighthouse.stop(lighthouse)
 
 
 if __name__ == "__main__":

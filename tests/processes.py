@@ -5,35 +5,9 @@ import subprocess
 import time
 from pathlib import Path
 
-from conftest import ROOT, subprocess_env
+from script_runs import ROOT, subprocess_env
 
-
-def process_tree(pid: int) -> list[int]:
-    """pid and all its descendants, from /proc."""
-    parents = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError):
-                pass
-    tree, frontier = [pid], [pid]
-    while frontier:
-        frontier = [p for p, parent in parents.items() if parent in frontier]
-        tree += frontier
-    return tree
-
-
-def alive(pids: list[int]) -> list[int]:
-    """Those of pids still running (a zombie waiting for its parent to reap it counts as gone)."""
-    left = []
-    for pid in pids:
-        try:
-            if (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                left.append(pid)
-        except (OSError, IndexError):
-            pass
-    return left
+from examples.local_processes import alive, process_tree
 
 
 def rank_process(launcher_pid: int, rank: int) -> int:

@@ -6,8 +6,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, TINY, launcher, load_checkpoint, subprocess_env
 from processes import Run
+from script_runs import ROOT, TINY, launcher, load_checkpoint, subprocess_env
 from test_template import replace_function
 
 # rank 1 meets sample 89 in its second batch of epoch 2 (the sampler's order for --seed 0, 96 images, 2 ranks)

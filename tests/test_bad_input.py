@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, run, run_main
+from script_runs import TINY, check, launcher, run, run_main
 
 from utils import launch, spawn
 from utils.errors import UsageError

@@ -11,10 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TINY, check, launcher, load_checkpoint, read_metrics, run
-from processes import Run, alive, process_tree
+from processes import Run
+from script_runs import ROOT, TINY, check, launcher, load_checkpoint, read_metrics, run
 from torch import nn
 
+from examples.local_processes import alive, process_tree
 from safety_net import checkpoint
 from safety_net.errors import StorageError
 from utils import models, precision

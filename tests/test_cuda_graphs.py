@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, load_checkpoint, read_metrics, run, run_main, subprocess_env
 from markers import gpu_test
-from processes import alive, process_tree
+from script_runs import ROOT, check, load_checkpoint, read_metrics, run, run_main, subprocess_env
 
+from examples.local_processes import alive, process_tree
 from utils import cuda_graphs
 
 DRIVER = str(ROOT / "tests" / "script_driver.py")

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 import torch
-from conftest import ROOT, check, read_metrics, run
 from markers import gpu_test
+from script_runs import ROOT, check, read_metrics, run
 from torch import nn
 
 from utils import cuda_graphs

@@ -2,7 +2,7 @@
 import json
 
 import pytest
-from conftest import TINY, check, launcher, read_metrics, run, run_main
+from script_runs import TINY, check, launcher, read_metrics, run, run_main
 
 from benchmarks import plot
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import check, launcher, load_checkpoint, read_metrics, run
+from script_runs import check, launcher, load_checkpoint, read_metrics, run
 
 pytestmark = pytest.mark.slow  # every test here runs the scripts through their launchers
 

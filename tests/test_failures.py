@@ -13,12 +13,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, subprocess_env
 from markers import gpu_test
+from script_runs import ROOT, subprocess_env
+
+from examples.local_processes import group_members
 
 FAILURES = ROOT / "failures"
 PROGRAMS = sorted(path.name for path in FAILURES.glob("[!_]*.py"))
@@ -51,19 +52,6 @@ class Ran:
     output: str  # stdout and stderr, interleaved as a terminal shows them
     seconds: float
     left: list[int] = field(default_factory=list)  # processes of the run still alive after it ended
-
-
-def group_members(pgid: int) -> list[int]:
-    """The live processes of a process group (a zombie counts as gone)."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        try:
-            state, _, group = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:3]
-            if int(group) == pgid and state != "Z":
-                members.append(int(entry.name))
-        except (OSError, ValueError):
-            pass
-    return members
 
 
 def run_program(program: str, args: tuple, env: dict) -> Ran:

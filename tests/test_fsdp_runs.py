@@ -7,8 +7,8 @@ import time
 
 import pytest
 import torch
-from conftest import check, launcher, read_metrics, run
 from processes import Run, rank_process
+from script_runs import check, launcher, read_metrics, run
 
 from safety_net import checkpoint, sharded_checkpoint
 from safety_net.sharded_checkpoint import to_single_file

@@ -1,8 +1,8 @@
 """On GPUs only (skipped without): the NCCL path, and torch's SyncBatchNorm against ours."""
 import pytest
 import torch
-from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run
 from distributed_helpers import on_ranks
+from script_runs import TINY, check, launcher, load_checkpoint, read_metrics, run
 from torch import nn
 
 from utils.syncbn import CpuSyncBatchNorm

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 import torch
-from conftest import run_main
+from script_runs import run_main
 
 from benchmarks import gpu_check
 

@@ -4,7 +4,7 @@ the CPU by tests/script_driver.py; the graph path and distributed.py are checked
 import sys
 
 import pytest
-from conftest import ROOT, TINY, check, run
+from script_runs import ROOT, TINY, check, run
 
 DRIVER = str(ROOT / "tests" / "script_driver.py")
 

@@ -3,7 +3,7 @@ import json
 
 import pytest
 import torch
-from conftest import check, launcher, read_metrics, run
+from script_runs import check, launcher, read_metrics, run
 
 from utils import data, metrics
 from utils.models import resnet18_cifar

@@ -11,8 +11,11 @@ from datetime import timedelta
 
 import pytest
 import torch
-from conftest import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
-from processes import Run, process_tree
+from processes import Run
+from script_runs import ROOT, TINY, launcher, run, run_main, stop_handlers_undone, subprocess_env
+
+from examples import own_lighthouse
+from examples.local_processes import process_tree
 
 pytest.importorskip("torchft")  # in requirements-dev.txt; an optional dependency of the one script
 
@@ -27,7 +30,7 @@ SCRIPT = "distributed_live_recovery.py"
 def lighthouse():
     """A torchft lighthouse of the test's own, as the README starts one (a quorum of one group is enough); its
     address."""
-    with live_recovery.lighthouse_of_our_own(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
+    with own_lighthouse.on_a_free_port(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as address:
         yield address
 
 

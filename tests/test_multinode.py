@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, TINY, load_checkpoint, subprocess_env
+from script_runs import ROOT, TINY, load_checkpoint, subprocess_env
 
 from utils.launch import first_host, slurm_address
 from utils.spawn import free_port

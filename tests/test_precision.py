@@ -66,7 +66,7 @@ def test_dataparallel_autocast_is_inside_the_forward_and_the_checkpoint_holds_th
 
 def test_dataparallel_mixed_precision_trains_and_its_checkpoint_evaluates_exactly(tmp_path):
     """bfloat16 runs on any CPU; float16 is the same code path with the GradScaler on (see tests/test_gpu.py)."""
-    from conftest import check, launcher, load_checkpoint, read_metrics, run
+    from script_runs import check, launcher, load_checkpoint, read_metrics, run
     small = ["--dataset", "synthetic", "--train-samples", "16", "--test-samples", "5", "--batch-size", "16",
              "--workers", "0", "--opt-level", "O1", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]
     check(run(launcher("python", "dataparallel.py") + small + ["--epochs", "1"]))

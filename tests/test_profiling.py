@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, run, run_main, stop_handlers_undone
+from script_runs import TINY, check, launcher, run, run_main, stop_handlers_undone
 from test_bad_input import assert_one_line_error
 
 from benchmarks import timeline

@@ -10,9 +10,10 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from conftest import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
+from script_runs import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
 from torch import nn
 
+from examples.local_processes import descendants
 from safety_net import checkpoint
 from utils.errors import UsageError
 
@@ -27,19 +28,6 @@ def reference(tmp_path_factory):
     out = tmp_path_factory.mktemp("reference")
     check(run(launcher("torchrun", "distributed.py") + RUN + ["--output-dir", str(out)]))
     return out
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found += [int(entry.name)] + children(int(entry.name))
-    return found
 
 
 def is_rank(pid: int, rank: int) -> bool:
@@ -61,7 +49,7 @@ def run_and_kill(cmd: list[str], kill_after_line: str, rank: int):
     for line in proc.stdout:
         output.append(line)
         if killed_at is None and kill_after_line in line:
-            workers = [p for p in children(proc.pid) if is_rank(p, rank)]
+            workers = [p for p in descendants(proc.pid) if is_rank(p, rank)]
             os.kill(workers[-1], signal.SIGKILL)
             killed_at = time.perf_counter()
         elif killed_at and back_after is None and " step " in line and "loss" in line:
@@ -107,7 +95,7 @@ def test_spawn_script_killed_and_restarted_by_hand(reference, tmp_path):
     proc, output, _ = run_and_kill(cmd, "epoch 2/2 step 3/6", rank=-1)
     # mp.spawn stops the other rank, and the user learns which one died and how
     assert proc.returncode != 0 and "terminated with signal SIGKILL" in output, without_progress(output)
-    assert not [p for p in children(proc.pid)]
+    assert not [p for p in descendants(proc.pid)]
     elastic = tmp_path / "elastic"
     shutil.copytree(out, elastic)
     again = check(run(cmd))

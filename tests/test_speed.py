@@ -6,7 +6,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, check, launcher, load_checkpoint, read_metrics, run, run_main
+from script_runs import TINY, check, launcher, load_checkpoint, read_metrics, run, run_main
 
 from utils import techniques
 

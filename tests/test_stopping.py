@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 from distributed_helpers import on_ranks
-from processes import Run, alive, process_tree, rank_process
+from processes import Run, rank_process
+from script_runs import ROOT, check, launcher, load_checkpoint, run, subprocess_env
 
+from examples.local_processes import alive, process_tree
 from safety_net import stopping
 from safety_net.stopping import StopSignals
 from utils import metrics

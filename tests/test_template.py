@@ -13,9 +13,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import ROOT, check, load_checkpoint, read_metrics, subprocess_env
 from PIL import Image
 from processes import Run
+from script_runs import ROOT, check, load_checkpoint, read_metrics, subprocess_env
 
 CLASSES = 6
 MODEL = '''

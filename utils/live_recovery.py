@@ -6,14 +6,10 @@ this group's store is, and the manager's timeouts. What live recovery is made of
 BatchNorm's statistics averaged between the groups, healing) stays in the script. Importing this module changes
 nothing: torchft's logs are quieted by import_torchft_with_quiet_logs, when the script calls it.
 """
-import contextlib
 import datetime
 import logging
 import os
 import re
-import shutil
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -23,7 +19,6 @@ import torch.distributed as dist
 
 from utils.errors import UsageError
 from utils.flags import non_negative_int, positive_int
-from utils.spawn import free_port
 
 LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port
 HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive on the lighthouse
@@ -114,33 +109,6 @@ class _NoTracebacks(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         record.exc_info = record.exc_text = None
         return True
-
-
-@contextlib.contextmanager
-def lighthouse_of_our_own(min_replicas: int, heartbeat_timeout_ms: int = 5000, wait_s: float = 60):
-    """For the tests and the benchmark: a torchft lighthouse on a free port, yielded as its address once it answers
-    (a group started before that refuses to start; on a loaded machine the lighthouse takes seconds), killed at exit.
-    A lighthouse that does not answer within wait_s is a RuntimeError."""
-    beside = os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")  # a virtual environment's bin/
-    program = beside if os.access(beside, os.X_OK) else shutil.which("torchft_lighthouse")
-    port = free_port()
-    process = subprocess.Popen([program, "--min_replicas", str(min_replicas), "--bind", f"[::]:{port}",
-                                "--heartbeat_timeout_ms", str(heartbeat_timeout_ms)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        address, deadline = f"http://localhost:{port}", time.monotonic() + wait_s
-        while True:
-            try:
-                live_replica_groups(address)
-                break
-            except UsageError:
-                if process.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"the lighthouse on port {port} did not start") from None
-                time.sleep(0.2)
-        yield address
-    finally:
-        process.kill()
-        process.wait()
 
 
 def store_of_this_group() -> dict:
