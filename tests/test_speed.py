@@ -82,6 +82,9 @@ def test_bad_technique_flags_are_one_line_errors(argv, capsys):
 def test_fused_optimizer_impl_needs_torch_sgd():
     from utils.errors import UsageError
     assert techniques.optimizer_options("fused", torch.optim.SGD) == {"fused": True}
+    # auto: torch's choice, but the fused step under --cuda-graphs (it reads the rate from a tensor the graph sees)
+    assert techniques.optimizer_options("auto", torch.optim.SGD) == {}
+    assert techniques.optimizer_options("auto", torch.optim.SGD, cuda_graphs=True) == {"fused": True}
     with pytest.raises(UsageError):
         techniques.optimizer_options("fused", torch.optim.Adam)
 
