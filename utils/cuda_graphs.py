@@ -51,10 +51,12 @@ WARMUP_STEPS = 11  # torch's notes: at least 11 DDP-enabled eager iterations bef
 def add_flag(parser) -> None:
     """--cuda-graphs, among the parser's speed techniques, with its check (why_not) run after parsing."""
     parser.checks.append(why_not)
-    parser.group("speed techniques").add_argument("--cuda-graphs", action="store_true",
-        help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in a CUDA graph "
-             "and replay it every step: one launch instead of thousands. Needs a GPU, --loader device, and bfloat16 or "
-             "float32 (not float16's loss scaling); with --compile the graph holds the compiled kernels")
+    group = parser.group("speed techniques")
+    group.add_argument("--cuda-graphs", action="store_true",
+                       help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in "
+                            "a CUDA graph and replay it every step: one launch instead of thousands. Needs a GPU, "
+                            "--loader device, and bfloat16 or float32 (not float16's loss scaling); with --compile the "
+                            "graph holds the compiled kernels")
 
 
 def why_not(args) -> str | None:

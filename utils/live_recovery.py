@@ -22,6 +22,8 @@ from utils.flags import non_negative_int, positive_int
 
 LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port
 HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive on the lighthouse
+
+
 def add_flags(parser) -> None:
     """The flags of live recovery, in a group of their own; each defaults to the variable torchft's examples use."""
     group = parser.group("live recovery (torchft)")
