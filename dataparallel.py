@@ -13,24 +13,26 @@ import sys
 
 import torch
 from torch import nn
-from torch.utils.data import DistributedSampler
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, loaders, metrics, models, precision, techniques
-from utils.errors import exit_on_error
+from speed import techniques
+from utils import data, flags, launch, metrics, models, precision
+from utils.errors import UsageError, exit_on_error
 from utils.gpus import gpus_for_dataparallel
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    parser.group("processes and devices").add_argument(
+    flags.group(parser, "processes and devices").add_argument(
         "--gpu", default=None, metavar="0,1,...",
         help="GPUs to use, as indices among CUDA_VISIBLE_DEVICES; default: all visible")
     precision.add_flags(parser, opt_level_default="O0")  # --opt-level O1 and --amp-dtype: mixed precision
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser, process_group=False)  # --device (the GPUs: --gpu above)
-    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
+    techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     args = flags.parse(parser, argv)
     if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
@@ -74,21 +76,34 @@ def train(args, env, safety, gpus) -> int:
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision())  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle of the training set: DDP's order, dealt to one process (W = 1)
-    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    # each epoch a seeded shuffle: DDP's order, dealt to one process (W = 1); DistributedSampler + set_epoch(skip)
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed,
+                                               drop_last=True)  # drop_last: the same steps as DDP's
+    # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
+    loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
+                   multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
+    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
+    test_loader = DataLoader(test_set, batch_size=batch, **loading)  # the whole test set, in order
+    if len(train_loader) == 0:  # drop_last: a training set smaller than one batch gives no step at all
+        raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    model = model.to(env.device, memory_format=techniques.memory_format(args))
-    techniques.compile_if_asked(model, args.compile)  # the module: DataParallel's replicas are copies (utils/gpus.py)
+    model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    if args.compile:  # fused kernels; the module itself, as DataParallel's replicas are copies (one GPU only)
+        model.compile()
     model = AutocastInForward(model, amp_dtype)  # mixed precision inside each replica (a no-op for float32)
     # DataParallel splits each batch over the GPUs; BatchNorm statistics stay per GPU (SyncBatchNorm
     # needs DDP). Without GPUs there is nothing to split: the CPU trains the bare model.
     model = nn.DataParallel(model, device_ids=gpus) if gpus else model
     criterion = nn.CrossEntropyLoss()
-    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    optimizer = torch.optim.SGD(  # --optimizer-impl: torch's for-loop, foreach or fused kernel
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        **techniques.sgd_kernel(args.optimizer_impl))
+    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
+        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
 
@@ -98,12 +113,12 @@ def train(args, env, safety, gpus) -> int:
         return safety.finish()
     # continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, scaler, step)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
-                                steps_per_epoch=train_loader.steps, scaler=scaler, precision=amp_dtype)
+                                steps_per_epoch=len(train_loader), scaler=scaler, precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch (else every epoch repeats)
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
-        batches = train_loader.epoch(epoch, start_step)  # the batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, safety, scaler)
+        # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
+        sampler.set_epoch(epoch, skip=start_step * batch)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, scaler)
         # split over the GPUs too; a stop signal cuts it short
         results = metrics.evaluate(model, test_loader, env.device, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a stop signal came: a checkpoint of this step, then exit
@@ -116,13 +131,13 @@ def train(args, env, safety, gpus) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C and SIGTERM: stop at the next step with a checkpoint
-    with exit_on_error():
+    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: a stop with a checkpoint
+    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         gpus = gpus_for_dataparallel(args.gpu, args.device, args.compile)  # --gpu, or all visible; [] on the CPU
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group
-        safety.arm(env)
+        safety.arm(env)  # the stop signals' handling starts here
         status = train(args, env, safety, gpus)
     sys.exit(status)
 

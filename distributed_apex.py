@@ -2,11 +2,10 @@
 
     python distributed_apex.py                              # float16 + GradScaler on GPUs; on a CPU bfloat16 if native
     python distributed_apex.py --amp-dtype bfloat16         # bfloat16 needs no loss scaling
-    python distributed_apex.py --opt-level O0               # full float32, to compare
     torchrun --standalone --nproc_per_node=4 distributed_apex.py   # started by torchrun instead of spawn
+    torchrun --standalone --nproc_per_node=1 distributed_apex.py --amp-dtype bfloat16 --loader device --cuda-graphs
 
-apex.amp.initialize(model, optimizer, opt_level="O1") became torch.autocast around the forward pass plus
-torch.amp.GradScaler for float16; apex.parallel's DDP and SyncBatchNorm became torch's (docs/apex_migration.md).
+apex.amp's O1 became torch.autocast + GradScaler; apex.parallel's DDP and SyncBatchNorm, torch's (apex_migration.md).
 """
 import os
 import sys
@@ -16,11 +15,13 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DistributedSampler
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
-from utils import cuda_graphs, data, flags, launch, loaders, metrics, models, precision, techniques
-from utils.errors import exit_on_error
+from speed import cuda_graphs, device_loader, techniques
+from utils import data, flags, launch, metrics, models, precision
+from utils.errors import UsageError, exit_on_error
 from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -32,9 +33,9 @@ def parse_args(argv=None):
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
-    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
+    techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
     techniques.add_ddp_flags(parser)  # --bucket-cap-mb, --gradient-as-bucket-view, --static-graph, --comm-hook
-    cuda_graphs.add_flag(parser)  # --cuda-graphs: each step replayed from a CUDA graph
+    cuda_graphs.add_flags(parser)  # --loader device, --cuda-graphs: the fast GPU path (docs/speed.md)
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     args = flags.parse(parser, argv)
     if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
@@ -61,29 +62,47 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, amp_dty
 
 def train(args, env, safety) -> int:
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision())  # None: float32
-    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)  # the global batch split evenly over the ranks
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
-    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    # each epoch a seeded shuffle dealt to the ranks in turn (rank r: r, r+W, ...); DistributedSampler + set_epoch(skip)
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed,
+                                               drop_last=True)  # drop_last: equal shares, no sample repeated
+    # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
+    loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
+                   multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
+    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
+    # this rank's share of the test set, images r, r+W, ...: not padded as DistributedSampler's, so each counts once
+    test_loader = DataLoader(test_set, batch_size=batch, sampler=range(env.rank, len(test_set), env.world_size),
+                             **loading)
+    if args.loader == "device":  # the sets held on the GPU, each batch made there in a few kernels: the same batches
+        train_loader = device_loader.DeviceLoader(train_set, batch, sampler, env.device, drop_last=True)
+        test_loader = device_loader.DeviceLoader(test_set, batch, test_loader.sampler, env.device)
+    if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
+        raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    model = model.to(env.device, memory_format=techniques.memory_format(args))
+    model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
     # --cuda-graphs: steps replayed from a CUDA graph; made before DDP, which must be built on its stream
     run_epoch = cuda_graphs.CapturedSteps(train_one_epoch, env.device) if args.cuda_graphs else train_one_epoch
-    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward.
+    # DDP broadcasts rank 0's weights at start, then all-reduces gradients during backward, bucket by bucket
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None,
-                **techniques.ddp_options(args))
-    techniques.register_comm_hook(model, args.comm_hook, train_loader.steps)  # --comm-hook: compressed gradients
-    techniques.compile_if_asked(model, args.compile, cuda_graphs=args.cuda_graphs)
+                bucket_cap_mb=args.bucket_cap_mb, gradient_as_bucket_view=args.gradient_as_bucket_view,
+                static_graph=args.static_graph)  # DDP's own speed settings, each a flag (docs/speed.md)
+    techniques.register_comm_hook(model, args.comm_hook, len(train_loader))  # --comm-hook: compressed gradients
+    if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
+        model.compile()
     criterion = nn.CrossEntropyLoss()
-    optimizer, scheduler = models.sgd_with_cosine(model, args, precision.optimizer_class(args.optimizer),  # --optimizer
-                                                  cuda_graphs=args.cuda_graphs)
+    optimizer = precision.optimizer_class(args.optimizer)(  # --optimizer: torch's SGD, or apex's FusedSGD
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        **techniques.sgd_kernel(args.optimizer_impl, cuda_graphs=args.cuda_graphs))
+    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
+        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
 
@@ -93,12 +112,12 @@ def train(args, env, safety) -> int:
         return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
-                                steps_per_epoch=train_loader.steps, scaler=scaler, precision=amp_dtype)
+                                steps_per_epoch=len(train_loader), scaler=scaler, precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
-        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        run_epoch(model, criterion, optimizer, batches, env.device, safety, amp_dtype, scaler)
+        # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
+        sampler.set_epoch(epoch, skip=start_step * batch)
+        run_epoch(model, criterion, optimizer, train_loader, env.device, safety, amp_dtype, scaler)
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
@@ -113,15 +132,16 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
     if local_rank is not None:  # what torchrun would have set: dist.init_process_group reads it
         os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
                           RANK=str(args.node_rank * args.nprocs + local_rank), LOCAL_RANK=str(local_rank))
-    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, a launcher's exit: stops with a checkpoint
-    with exit_on_error():
+    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
+    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
-        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
+        # None, but in a rank torchrun restarted, which must not meet at the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
-                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        safety.arm(env)
+                                store=launch.torchrun_restart_store(env.timeout))
+        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
             status = train(args, env, safety)
         finally:

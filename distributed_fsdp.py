@@ -14,17 +14,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.utils.data import DistributedSampler
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, loaders, metrics, models, precision, techniques
-from utils.errors import exit_on_error
+from safety_net.sharded_checkpoint import ShardedCheckpoint
+from speed import techniques
+from utils import data, flags, launch, metrics, models, precision
+from utils.errors import UsageError, exit_on_error
 from utils.syncbn import CpuSyncBatchNorm
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    parser.group("sharding").add_argument(  # shard() below
+    parser.add_argument_group("sharding").add_argument(  # shard() below
         "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
         help="free each stage's gathered weights after its forward and gather them again for backward (least memory, "
              "like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather fewer per stage and "
@@ -34,7 +37,7 @@ def parse_args(argv=None):
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
-    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
+    techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
     SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories of shards), --evaluate
     args = flags.parse(parser, argv)
     if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
@@ -78,23 +81,38 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward
 def train(args, env, safety) -> int:
     # None: float32; no float16, which would need loss scaling across the shards
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision(), float16=False)
-    batch = flags.per_rank_batch(args.batch_size, env.world_size)
+    batch = flags.per_rank_batch(args.batch_size, env.world_size)  # the global batch split evenly over the ranks
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle of the training set, dealt to the ranks in turn: rank r takes r, r+W, ...
-    sampler = DistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed, drop_last=True)
-    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    # each epoch a seeded shuffle dealt to the ranks in turn (rank r: r, r+W, ...); DistributedSampler + set_epoch(skip)
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=env.world_size, rank=env.rank, seed=args.seed,
+                                               drop_last=True)  # drop_last: equal shares, no sample repeated
+    # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
+    loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
+                   multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
+    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
+    # this rank's share of the test set, images r, r+W, ...: not padded as DistributedSampler's, so each counts once
+    test_loader = DataLoader(test_set, batch_size=batch, sampler=range(env.rank, len(test_set), env.world_size),
+                             **loading)
+    if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
+        raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    model = model.to(env.device, memory_format=techniques.memory_format(args))
+    model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
     model = shard(model, amp_dtype, args.reshard_after_forward)
-    techniques.compile_if_asked(model, args.compile)
+    if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
+        model.compile()
     criterion = nn.CrossEntropyLoss()
-    optimizer, scheduler = models.sgd_with_cosine(model, args)  # over the shards: each rank steps its own
+    optimizer = torch.optim.SGD(  # over the shards: each rank steps its own; --optimizer-impl: the kernel
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        **techniques.sgd_kernel(args.optimizer_impl))
+    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
+        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
@@ -102,12 +120,12 @@ def train(args, env, safety) -> int:
         return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
-                                steps_per_epoch=train_loader.steps, precision=amp_dtype)
+                                steps_per_epoch=len(train_loader), precision=amp_dtype)
     for epoch in range(start_epoch, args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
-        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, safety)
+        # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
+        sampler.set_epoch(epoch, skip=start_step * batch)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
@@ -123,16 +141,18 @@ def train(args, env, safety) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__, sharded=True)  # sharded checkpoints; catches Ctrl-C, SIGTERM, ...
-    with exit_on_error():
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint, each rank writing its own shards
+    safety = SafetyNet.for_flags(args, __file__, sharded_checkpoint=ShardedCheckpoint)
+    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
-        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
+        # None, but in a rank torchrun restarted, which must not meet at the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
-                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        safety.arm(env)
+                                store=launch.torchrun_restart_store(env.timeout))
+        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
             status = train(args, env, safety)
         finally:

@@ -17,10 +17,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
-from utils import data, flags, launch, live_recovery, loaders, metrics, models, techniques
-from utils.errors import exit_on_error
+from speed import techniques
+from utils import data, flags, launch, live_recovery, metrics, models
+from utils.errors import UsageError, exit_on_error
 from utils.syncbn import CpuSyncBatchNorm
 
 torchft = live_recovery.import_torchft_with_quiet_logs()  # PyTorch's fault-tolerance library (pip install torchft)
@@ -32,7 +35,7 @@ def parse_args(argv=None):
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
-    techniques.add_flags(parser)  # --channels-last, --compile, --loader, --optimizer-impl
+    techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
     SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     live_recovery.add_flags(parser)  # --lighthouse, --replica-group, --replica-groups, --min-replica-groups
     args = flags.parse(parser, argv)
@@ -87,16 +90,23 @@ def train(args, env, safety) -> int:
     batch = flags.per_rank_batch(args.batch_size, env.world_size * args.replica_groups)  # all groups' processes
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle dealt to the processes of all groups in turn (process p of group g takes k, k+W,
-    # ... with k = g * group size + p); while a group is down its share is not trained, the live groups' shares are
-    sampler = torchft.DistributedSampler(train_set, replica_rank=args.replica_group,
-                                         num_replica_groups=args.replica_groups, group_rank=env.rank,
-                                         num_replicas=env.world_size, seed=args.seed, drop_last=True)
-    train_loader = loaders.train_loader(train_set, sampler, per_rank_batch=batch, env=env, args=args)
-    test_loader = loaders.test_loader(test_set, per_rank_batch=batch, env=env, args=args)
+    # ... with k = g * group size + p: torchft.DistributedSampler's deal); a down group's share is not trained
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=env.world_size * args.replica_groups,
+                                               rank=args.replica_group * env.world_size + env.rank, seed=args.seed,
+                                               drop_last=True)  # set_epoch(skip): it can start an epoch part-way
+    # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
+    loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
+                   multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
+    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
+    # this rank's share of the test set, images r, r+W, ...: not padded as DistributedSampler's, so each counts once
+    test_loader = DataLoader(test_set, batch_size=batch, sampler=range(env.rank, len(test_set), env.world_size),
+                             **loading)
+    if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
+        raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    model = model.to(env.device, memory_format=techniques.memory_format(args))
+    model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if not args.no_sync_bn:  # BatchNorm statistics over this replica group's batch (its own process group)
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
@@ -119,23 +129,30 @@ def train(args, env, safety) -> int:
     model = DDP(model, device_ids=[env.local_rank] if env.device.type == "cuda" else None, find_unused_parameters=True)
     # torchft: the gradients averaged within the group, then over the quorum's groups by the manager
     model.register_comm_hook(manager, average_in_group_then_across_groups)
-    techniques.compile_if_asked(model, args.compile)
+    if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
+        model.compile()
     criterion = nn.CrossEntropyLoss()
-    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    optimizer = torch.optim.SGD(  # --optimizer-impl: torch's for-loop, foreach or fused kernel
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        **techniques.sgd_kernel(args.optimizer_impl))
+    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
+        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
     safety.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
     # every rank: continue from <output-dir>'s checkpoint if there is one (with the manager's count of committed
     # steps, by which the quorum tells which group is behind)
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
-                  steps_per_epoch=train_loader.steps)
+                  steps_per_epoch=len(train_loader))
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)
     for epoch in range(safety.epoch_to_start(), args.epochs):
-        sampler.set_epoch(epoch)  # a new shuffle each epoch, the same on every rank (else every epoch repeats)
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
-        batches = train_loader.epoch(epoch, start_step)  # this rank's batches, from start_step on
-        train_one_epoch(model, criterion, optimizer, batches, env.device, safety)
+        # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
+        sampler.set_epoch(epoch, skip=start_step * batch)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
         if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
             average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
         # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
@@ -150,17 +167,18 @@ def train(args, env, safety) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__)  # catches Ctrl-C, SIGTERM, a launcher's exit: stops with a checkpoint
-    with exit_on_error():
+    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
+    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         live_recovery.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
-        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
+        # None, but in a rank torchrun restarted, which must not meet at the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
-                                store=launch.torchrun_restart_store(env.timeout))  # None, but after a restart
-        safety.arm(env)
+                                store=launch.torchrun_restart_store(env.timeout))
+        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
             status = train(args, env, safety)
         finally:

@@ -240,30 +240,28 @@ def inner_versions() -> dict:
 
 
 def inner_loader_waits() -> dict:
-    """Batches of both device loaders made under torch.cuda.set_sync_debug_mode('warn'): each host wait is a warning."""
+    """Batches of the device loader, training and test, as distributed_apex.py makes them with --loader device, under
+    torch.cuda.set_sync_debug_mode('warn'): each host wait is a warning."""
     import warnings
-    from types import SimpleNamespace
 
     import torch
-    from torch.utils.data import DistributedSampler
 
-    from utils import data, loaders
+    from speed.device_loader import DeviceLoader
+    from utils import data
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     train = data.Images(*data.synthetic(4096, train=True), augment=True, seed=0)
     test = data.Images(*data.synthetic(1000, train=False), augment=False, seed=0)
-    sampler = DistributedSampler(train, num_replicas=1, rank=0, seed=0, drop_last=True)
-    env, args = SimpleNamespace(device=device, rank=0, world_size=1), SimpleNamespace(workers=0, loader="device")
-    train_loader = loaders.train_loader(train, sampler, per_rank_batch=256, env=env, args=args)
-    test_loader = loaders.test_loader(test, per_rank_batch=256, env=env, args=args)
+    sampler = data.ResumableDistributedSampler(train, num_replicas=1, rank=0, seed=0, drop_last=True)
+    train_loader = DeviceLoader(train, 256, sampler, device, drop_last=True)
+    test_loader = DeviceLoader(test, 256, range(0, len(test), 1), device)  # rank 0 of 1: every test image
     waits, batches = [], 0
     for epoch in range(2):
         sampler.set_epoch(epoch)
-        epoch_batches = train_loader.epoch(epoch)  # the epoch's order: copied once an epoch, by design
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             torch.cuda.set_sync_debug_mode("warn")
-            for loader in (epoch_batches, test_loader):
+            for loader in (train_loader, test_loader):  # each one's order: copied once an iteration, by design
                 batches += sum(1 for _ in loader)
             torch.cuda.set_sync_debug_mode("default")
         waits += [f"{w.filename.rsplit('/', 1)[-1]}:{w.lineno} {str(w.message)[:80]}" for w in caught

@@ -122,7 +122,7 @@ def rows(device: str) -> list[Row]:
         Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
             ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
              "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),
-        # the whole step replayed from one CUDA graph (utils/cuda_graphs.py): with and without SyncBatchNorm, and
+        # the whole step replayed from one CUDA graph (speed/cuda_graphs.py): with and without SyncBatchNorm, and
         # with the model's kernels compiled (torch.compile's default mode) inside the graph
         *[Row(f"DDP + bfloat16, CUDA graphs{name}", "distributed_apex.py", "torchrun",
               ["--amp-dtype", "bfloat16", "--loader", "device", "--cuda-graphs", *extra], amp="bfloat16", gpu_only=True)
@@ -140,7 +140,9 @@ def rows(device: str) -> list[Row]:
         Row("torch.compile", "distributed.py", "torchrun", ["--compile"], "technique", full_only=not gpu),
         Row("foreach SGD step", "distributed.py", "torchrun", ["--optimizer-impl", "foreach"], "technique"),
         Row("fused SGD step", "distributed.py", "torchrun", ["--optimizer-impl", "fused"], "technique"),
-        Row("device-side data path", "distributed.py", "torchrun", ["--loader", "device"], "technique"),
+        # --loader device is distributed_apex.py's alone; in float32 (--opt-level O0) it trains as distributed.py
+        Row("device-side data path", "distributed_apex.py", "torchrun", ["--opt-level", "O0", "--loader", "device"],
+            "technique"),
         Row("no SyncBatchNorm", "distributed.py", "torchrun", ["--no-sync-bn"], "technique"),
         # the peers: the same job as others write it, and the bare step's ceilings once compiled
         Row(PLAIN_LOOP, PLAIN, "torchrun", table="peer"),

@@ -13,27 +13,30 @@ import sys
 import time
 
 import torch.multiprocessing as mp
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader
 
 from utils import data, flags
 
 
-def _plain_dataloader_options(workers: int) -> dict:
-    """What DataLoader does when nothing is chosen: the rank's start method, workers started every epoch."""
-    return {"num_workers": workers} if workers else {}
+def worker_options(way: str, workers: int) -> dict:
+    """The scripts' DataLoader options for `workers` workers (their `loading`: forked, kept for the whole run), or
+    what DataLoader does when nothing is chosen: the rank's start method, workers started every epoch."""
+    if way == "plain DataLoader":
+        return {"num_workers": workers}
+    return {"num_workers": workers, "persistent_workers": workers > 0,
+            "multiprocessing_context": "fork" if workers and sys.platform == "linux" else None}
 
 
 def _rank(_index: int, args, way: str, results: list) -> None:
-    if way == "plain DataLoader":
-        data.worker_options = _plain_dataloader_options
     dataset = data.Images(*data.synthetic(args.images, train=True), augment=True, seed=0)
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=0, drop_last=True)
-    loader = data.TrainLoader(dataset, sampler, args.batch_size, workers=args.workers, pin=False)
+    sampler = data.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, seed=0, drop_last=True)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True,
+                        **worker_options(way, args.workers))
     seconds = []
     for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)
+        sampler.set_epoch(epoch)  # the order's epoch and the augmentation's, as the scripts set them
         started = time.perf_counter()
-        batches = iter(loader.epoch(epoch))
+        batches = iter(loader)
         next(batches)
         seconds.append(time.perf_counter() - started)
         del batches

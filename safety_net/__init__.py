@@ -32,7 +32,6 @@ import torch
 from safety_net import checkpoint as checkpoints
 from safety_net import metrics_log, profiling, stopping
 from safety_net.progress import EpochProgress
-from safety_net.sharded_checkpoint import ShardedCheckpoint
 from utils import flags
 from utils.errors import UsageError
 
@@ -41,15 +40,18 @@ class SafetyNet:
     """One run's checkpoints, stop signals, progress and metrics; every value it needs is given to it."""
 
     def __init__(self, script: str, options: checkpoints.Options, *, print_freq: int = 50, tensorboard: bool = False,
-                 watch_launcher: bool = False, profile_steps: int | None = None):
+                 watch_launcher: bool = False, profile_steps: int | None = None,
+                 checkpoint_kind=checkpoints.Checkpoint):
         """Catches SIGTERM, SIGINT (Ctrl-C) and SIGUSR1 from now on: make it first, in every process of the run.
 
         script: the training script's path, recorded in each checkpoint (one continues only its own run).
         options: what the checkpoints are told (where, the values that define the run, resume or restart, ...).
         print_freq: a progress line every N steps. tensorboard: also write TensorBoard events.
         watch_launcher: also stop when the process that started this one dies (torchrun's agent, the spawn parent).
-        profile_steps: record that many steps with torch.profiler (safety_net/profiling.py); None: no profiler."""
-        self.script, self.options = script, options
+        profile_steps: record that many steps with torch.profiler (safety_net/profiling.py); None: no profiler.
+        checkpoint_kind: the class that writes and reads the checkpoints: checkpoint.Checkpoint (one file), or
+        FSDP's sharded_checkpoint.ShardedCheckpoint (a directory of shards), which the FSDP script passes."""
+        self.script, self.options, self.checkpoint_kind = script, options, checkpoint_kind
         self.print_freq, self.tensorboard = print_freq, tensorboard
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
         self.env = self.checkpoint = self.log = self.progress = None
@@ -64,10 +66,10 @@ class SafetyNet:
         group "checkpoints and output" (sharded: the checkpoints are directories, FSDP's)."""
         name = os.path.splitext(parser.prog)[0]
         newest, older = ("checkpoint.dcp/", "checkpoint.1.dcp/") if sharded else ("checkpoint.pt", "checkpoint.1.pt")
-        parser.group("training").add_argument(
+        flags.group(parser, "training").add_argument(
             "--print-freq", type=flags.positive_int, default=50,
             help="log progress every N steps and at each epoch's first (the only host syncs)")
-        ckpt = parser.group("checkpoints and output")
+        ckpt = parser.add_argument_group("checkpoints and output")
         ckpt.add_argument("--output-dir", default=os.path.join("runs", name),
                           help=f"where metrics.jsonl, {newest} and eval.json are written")
         ckpt.add_argument("--save-every-steps", type=flags.non_negative_int, default=0, metavar="N",
@@ -93,14 +95,17 @@ class SafetyNet:
         parser.checks.append(_init_from_conflicts)
 
     @classmethod
-    def for_flags(cls, args, script: str, sharded: bool = False) -> "SafetyNet":
+    def for_flags(cls, args, script: str, sharded_checkpoint=None) -> "SafetyNet":
         """The safety net for the scripts' flags (utils.flags): the one place that reads them for it. It watches the
         launcher (stops when it is gone) where one started this process: torchrun's agent or mp.spawn.
-        sharded: the script writes sharded checkpoints (FSDP's)."""
+        sharded_checkpoint: the class of FSDP's sharded checkpoints (sharded_checkpoint.ShardedCheckpoint), for a
+        script that writes them; None: one file, checkpoint.Checkpoint."""
         # torchrun's agent (it sets TORCHELASTIC_RUN_ID) or mp.spawn's parent waits for this process
         watch_launcher = "TORCHELASTIC_RUN_ID" in os.environ or multiprocessing.parent_process() is not None
+        kind, sharded = sharded_checkpoint or checkpoints.Checkpoint, sharded_checkpoint is not None
         return cls(script, checkpoints.Options.from_flags(args, sharded), print_freq=args.print_freq,
-                   tensorboard=args.tensorboard, watch_launcher=watch_launcher, profile_steps=args.profile_steps)
+                   tensorboard=args.tensorboard, watch_launcher=watch_launcher, profile_steps=args.profile_steps,
+                   checkpoint_kind=kind)
 
     @staticmethod
     def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
@@ -142,8 +147,7 @@ class SafetyNet:
             self.profiler = profiling.StepProfiler(self.profile_steps, folder, env.rank, env.device.type)
 
     def _checkpoints(self, precision, parts: dict):
-        kind = ShardedCheckpoint if self.options.sharded else checkpoints.Checkpoint
-        return kind(self.options, self.env, self.script, precision=precision, **parts)
+        return self.checkpoint_kind(self.options, self.env, self.script, precision=precision, **parts)
 
     def load_weights(self, model, precision: torch.dtype | None = None) -> None:
         """For --evaluate: the weights of <output-dir>'s newest checkpoint into the model (sharded: every rank

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from safety_net.errors import Diverged, StorageError
+from safety_net.stop_errors import Diverged, StorageError
 from utils import collectives
 from utils.errors import UsageError, first_line
 from utils.models import ARCH

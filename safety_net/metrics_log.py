@@ -4,7 +4,7 @@ import json
 import os
 import sys
 
-from safety_net.errors import StorageError
+from safety_net.stop_errors import StorageError
 
 
 class MetricsLog:

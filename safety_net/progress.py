@@ -10,7 +10,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from safety_net.errors import Diverged
+from safety_net.stop_errors import Diverged
 from utils import collectives
 
 

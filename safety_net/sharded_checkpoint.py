@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 
 from safety_net import checkpoint
 from safety_net.checkpoint import HEADER, Checkpoint, load, load_optimizer
-from safety_net.errors import Diverged, StorageError
+from safety_net.stop_errors import Diverged, StorageError
 from utils import collectives
 from utils.errors import UsageError, exit_on_error, first_line
 

@@ -1,10 +1,10 @@
 """Runs a training script as its launcher would, with things only a test needs (each optional, before the script):
 
     torchrun --nproc_per_node=2 tests/script_driver.py [--graph-path-on-cpu] [--host-reads FILE [--sync-waits]]
-        [--fail-at-step N] [--teardown-log FILE] distributed.py ...
+        [--fail-at-step N] [--teardown-log FILE] distributed_apex.py ...
 
 --graph-path-on-cpu: the scripts refuse --cuda-graphs without a GPU; with this, the refusal is left out, so each
-  step goes through utils.cuda_graphs.CapturedSteps and is called directly where a GPU would replay its graph.
+  step goes through speed.cuda_graphs.CapturedSteps and is called directly where a GPU would replay its graph.
 --host-reads FILE: counts every read of a float or bool tensor back to Python (.item(), .tolist(), float(),
   bool(), .numpy()) from each epoch's start to its last step, except inside the safety net's step_done of a step
   that prints a progress line or writes a checkpoint (--print-freq, each epoch's first, --save-every-steps); rank 0
@@ -138,7 +138,7 @@ def log_teardown(out: str) -> None:
     order they run (destroy_process_group's before it runs: a hang there still shows)."""
     import torch.distributed as dist
 
-    from utils import cuda_graphs
+    from speed import cuda_graphs
     close, destroy = cuda_graphs.CapturedSteps.close, dist.destroy_process_group
 
     def log(line: str) -> None:
@@ -167,7 +167,7 @@ def main():
         options[argv[0]], argv = argv[1] if takes_value else True, argv[1 + takes_value:]
     script, sys.argv = str(ROOT / argv[0]), [str(ROOT / argv[0])] + argv[1:]
     if options.get("--graph-path-on-cpu"):
-        from utils import cuda_graphs
+        from speed import cuda_graphs
         cuda_graphs._no_gpu = lambda args: None
     if "--fail-at-step" in options:
         fail_at_step(int(options["--fail-at-step"]))

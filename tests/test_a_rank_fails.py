@@ -42,7 +42,7 @@ def copy_with_a_bad_sample(tmp_path) -> Path:
     copy.mkdir()
     for script in ("distributed.py", "distributed_mp.py"):
         shutil.copy(ROOT / script, copy)
-    for package in ("utils", "safety_net"):
+    for package in ("utils", "speed", "safety_net"):
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
     replace_function(copy / "utils" / "data.py", "datasets", CORRUPT)
     return copy

@@ -17,7 +17,7 @@ from torch import nn
 
 from examples.local_processes import alive, process_tree
 from safety_net import checkpoint
-from safety_net.errors import StorageError
+from safety_net.stop_errors import StorageError
 from utils import models, precision
 from utils.errors import UsageError
 

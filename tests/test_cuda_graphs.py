@@ -1,7 +1,7 @@
-"""--cuda-graphs (utils/cuda_graphs.py): what the CPU can prove of the graph path, and on a GPU the rest (skipped
-without one). On the CPU the scripts refuse the flag; tests/script_driver.py leaves that refusal out, so each step
-goes through the graph path's static buffers, rate tensors and stand-in safety net, called directly where a GPU
-replays."""
+"""--cuda-graphs (speed/cuda_graphs.py, distributed_apex.py's alone): what the CPU can prove of the graph path, and on
+a GPU the rest (skipped without one). On the CPU the script refuses the flag; tests/script_driver.py leaves that
+refusal out, so each step goes through the graph path's static buffers, rate tensors and stand-in safety net, called
+directly where a GPU replays. On the CPU the runs are float32 (--opt-level O0), the arithmetic of distributed.py."""
 import contextlib
 import gc
 import os
@@ -20,14 +20,16 @@ from markers import gpu_test
 from script_runs import ROOT, check, load_checkpoint, read_metrics, run, run_main, subprocess_env
 
 from examples.local_processes import alive, process_tree
-from utils import cuda_graphs
+from speed import cuda_graphs
 
 DRIVER = str(ROOT / "tests" / "script_driver.py")
+SCRIPT = "distributed_apex.py"  # the fast GPU path (--loader device, --cuda-graphs) is its alone
 # 2 epochs of 14 steps on 2 ranks (per-rank batch 4): the step is captured at step 12 of the first epoch and its
 # replays cross into the second, where the schedule lowers the rate; a checkpoint every 4 steps, all kept
 RUN = ["--dataset", "synthetic", "--train-samples", "112", "--test-samples", "16", "--batch-size", "8",
        "--epochs", "2", "--lr", "0.01", "--workers", "0", "--print-freq", "5", "--loader", "device",
-       "--optimizer-impl", "fused", "--save-every-steps", "4", "--keep", "10", "--device", "cpu"]
+       "--optimizer-impl", "fused", "--save-every-steps", "4", "--keep", "10", "--device", "cpu",
+       "--opt-level", "O0"]
 GPUS = torch.cuda.device_count()
 needs_gpu = gpu_test(GPUS < 1, "needs a GPU")
 
@@ -47,12 +49,12 @@ def driven(out: Path, script: str, *flags: str, graph_path: bool = False, launch
 
 @pytest.fixture(scope="module")
 def eager(tmp_path_factory) -> Path:
-    return driven(tmp_path_factory.mktemp("eager"), "distributed.py", *RUN)
+    return driven(tmp_path_factory.mktemp("eager"), SCRIPT, *RUN)
 
 
 @pytest.fixture(scope="module")
 def graphed(tmp_path_factory) -> Path:
-    return driven(tmp_path_factory.mktemp("graphed"), "distributed.py", *RUN, "--cuda-graphs", graph_path=True)
+    return driven(tmp_path_factory.mktemp("graphed"), SCRIPT, *RUN, "--cuda-graphs", graph_path=True)
 
 
 def checkpoint_at(run_dir: Path, epoch: int, step: int) -> Path:
@@ -126,7 +128,7 @@ def test_a_resume_into_and_out_of_the_graph_path_continues_to_the_same_weights(e
     into = tmp_path / "into"
     into.mkdir()
     shutil.copy(checkpoint_at(eager / "run", 0, 4), into / "checkpoint.pt")
-    result = check(run(torchrun("--graph-path-on-cpu", "distributed.py", *RUN, "--cuda-graphs", "--output-dir",
+    result = check(run(torchrun("--graph-path-on-cpu", SCRIPT, *RUN, "--cuda-graphs", "--output-dir",
                                 str(into)), timeout=400))
     assert "epoch 1, step 4" in result.stdout
     assert_same_state_bit_for_bit(eager / "run", into)
@@ -134,7 +136,7 @@ def test_a_resume_into_and_out_of_the_graph_path_continues_to_the_same_weights(e
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(checkpoint_at(graphed / "run", 1, 4), out / "checkpoint.pt")
-    result = check(run(torchrun("distributed.py", *RUN, "--output-dir", str(out)), timeout=400))
+    result = check(run(torchrun(SCRIPT, *RUN, "--output-dir", str(out)), timeout=400))
     assert "epoch 2, step 4" in result.stdout
     assert_same_state_bit_for_bit(eager / "run", out)
 
@@ -161,7 +163,7 @@ def assert_failed_once_with_the_graph_released_first(said: subprocess.CompletedP
 def test_an_error_past_the_capture_releases_the_graph_before_the_process_group_is_destroyed(tmp_path):
     teardown_log = tmp_path / "teardown.log"
     said = run_watched(torchrun("--graph-path-on-cpu", "--fail-at-step", "14", "--teardown-log", str(teardown_log),
-                                "distributed.py", *RUN, "--cuda-graphs", "--output-dir", str(tmp_path / "run")),
+                                SCRIPT, *RUN, "--cuda-graphs", "--output-dir", str(tmp_path / "run")),
                        limit=300, logs=tmp_path / "logs")
     assert_failed_once_with_the_graph_released_first(said, teardown_log, "_CalledDirectly", ranks=2)
 
@@ -244,10 +246,12 @@ def test_an_error_past_the_capture_leaves_the_graph_to_release_captured_graphs()
     (["--cuda-graphs"], "add --loader device"),
 ])
 def test_flags_it_cannot_run_with_are_one_line_errors(argv, says, monkeypatch, capsys):
-    import distributed
+    import distributed_apex
     if "--device" not in argv:  # the reasons after the GPU's: as on a machine with one
         monkeypatch.setattr(cuda_graphs, "_no_gpu", lambda args: None)
-    result = run_main(distributed.main, argv, capsys)
+    # float32, so that float16's loss scaling (test_float16_loss_scaling_and_apex_sgd_are_refused_in_one_line) is
+    # not the reason given
+    result = run_main(distributed_apex.main, argv + ["--opt-level", "O0"], capsys)
     assert result.returncode == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
         result.stderr
 
@@ -264,12 +268,19 @@ def test_float16_loss_scaling_and_apex_sgd_are_refused_in_one_line(argv, monkeyp
     assert "--amp-dtype bfloat16" in result.stderr or "use --optimizer sgd" in result.stderr, result.stderr
 
 
-def test_dataparallel_and_fsdp_have_no_graph_path():
+@pytest.mark.parametrize("flag", ["--cuda-graphs", "--loader"])
+def test_only_distributed_apex_has_the_graph_path(flag, capsys):
+    """The fast GPU path is distributed_apex.py's alone: every other script refuses its flags in one line."""
     import dataparallel
+    import distributed
     import distributed_fsdp
-    for script in (dataparallel, distributed_fsdp):
-        with pytest.raises(SystemExit):
-            script.parse_args(["--cuda-graphs"])
+    import distributed_gradient_accumulation
+    import distributed_mp
+    argv = [flag] + (["device"] if flag == "--loader" else [])
+    for script in (distributed, distributed_mp, distributed_gradient_accumulation, dataparallel, distributed_fsdp):
+        result = run_main(script.main, argv, capsys)
+        assert result.returncode == 2 and f"unrecognized arguments: {' '.join(argv)}" in result.stderr, \
+            (script.__name__, result.stderr)
 
 
 # On a GPU (skipped without one): the capture itself

@@ -1,4 +1,4 @@
-"""--compile --cuda-graphs (utils/cuda_graphs.py, utils/techniques.compile_if_asked): the model compiled in
+"""--compile --cuda-graphs (speed/cuda_graphs.py; distributed_apex.py's plain model.compile()): the model compiled in
 torch.compile's default mode during the graph path's eager warm-up steps, and the step with its compiled kernels
 captured once. On the CPU, where each replay calls the step directly, the compiled step through CapturedSteps' static
 buffers against the compiled eager loop; on a GPU (skipped without one) a short run of distributed_apex.py with both
@@ -13,7 +13,7 @@ from markers import gpu_test
 from script_runs import ROOT, check, read_metrics, run
 from torch import nn
 
-from utils import cuda_graphs
+from speed import cuda_graphs
 
 STEPS = cuda_graphs.WARMUP_STEPS + 3  # 11 eager steps, the capture (step 12) and 2 replays
 needs_gpu = gpu_test(torch.cuda.device_count() < 1, "needs a GPU")
@@ -39,14 +39,13 @@ class SmallNet(nn.Module):
 
 def compiled_runs(rank, world_size, steps: int) -> list:
     """On one rank over gloo: `steps` steps of distributed_apex.py's step in bfloat16 autocast, the model built as the
-    scripts build it (CpuSyncBatchNorm, DDP, then techniques.compile_if_asked), three ways: the eager loop compiled,
+    scripts build it (CpuSyncBatchNorm, DDP, then model.compile()), three ways: the eager loop compiled,
     the graph path compiled, the eager loop uncompiled. Each gives its losses, its final weights, and dynamo's
     counters (compilations of dynamo, AOTAutograd and inductor) after each step."""
     from torch._dynamo.utils import counters
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import distributed_apex as script
-    from utils import techniques
     from utils.syncbn import CpuSyncBatchNorm
 
     class Kept:  # stands in for the safety net: each step's loss and the counters then
@@ -66,7 +65,8 @@ def compiled_runs(rank, world_size, steps: int) -> list:
         model = CpuSyncBatchNorm.convert_sync_batchnorm(SmallNet())
         run_epoch = cuda_graphs.CapturedSteps(script.train_one_epoch, device) if graphed else script.train_one_epoch
         model = DDP(model, bucket_cap_mb=1)
-        techniques.compile_if_asked(model, compiled, cuda_graphs=graphed)
+        if compiled:  # as the script compiles it (CapturedSteps has turned inductor's own CUDA graphs off)
+            model.compile()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=5e-4, fused=True)
         g = torch.Generator().manual_seed(1)
         batches = [(torch.randn(8, 3, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g))
@@ -101,6 +101,16 @@ def test_the_compiled_step_is_compiled_in_the_warm_up_and_captured_without_recom
     assert counts[cuda_graphs.WARMUP_STEPS:] == [warm] * (STEPS - cuda_graphs.WARMUP_STEPS)
     assert (warm["stats"], warm["aot_autograd"]["total"]) == (eager_counts[-1]["stats"],
                                                               eager_counts[-1]["aot_autograd"]["total"])
+
+
+def test_the_graph_path_turns_inductors_own_cuda_graphs_off(monkeypatch):
+    """The script compiles with plain model.compile(); CapturedSteps, made before it, turns inductor's CUDA graphs
+    (cudagraph trees) off even where TORCHINDUCTOR_CUDAGRAPHS=1 turned them on: the compiled kernels go into the
+    graph of the whole step, and a replay of it would skip the trees' memory bookkeeping."""
+    import torch._inductor.config
+    monkeypatch.setattr(torch._inductor.config.triton, "cudagraphs", True)  # what TORCHINDUCTOR_CUDAGRAPHS=1 sets
+    cuda_graphs.CapturedSteps(lambda *args: None, torch.device("cpu"))
+    assert torch._inductor.config.triton.cudagraphs is False
 
 
 # On a GPU (skipped without one): the capture itself

@@ -1,46 +1,43 @@
-"""--loader device: the same batches as the DataLoader path, bit for bit, and the augmentation draws."""
-from types import SimpleNamespace
-
+"""--loader device (speed/device_loader.py): the same batches as the DataLoader path, bit for bit, and the
+augmentation draws."""
 import pytest
 import torch
 import torchvision.transforms.v2.functional as TF
+from script_parts import evaluation_loader, train_loader
+from script_runs import TINY, run_main
 from torch.overrides import TorchFunctionMode
-from torch.utils.data import DistributedSampler
 
-from utils import data, device_loader, loaders
-from utils.device_loader import DeviceTestLoader, DeviceTrainLoader
-from utils.errors import UsageError
+from speed import device_loader
+from speed.device_loader import DeviceLoader
+from utils import data
 
 CPU = torch.device("cpu")
 
 
-def env(rank, world_size):
-    return SimpleNamespace(rank=rank, world_size=world_size, device=CPU)
-
-
 def sampler(dataset, rank, world_size, seed):
-    return DistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=True)
+    """The scripts' training sampler."""
+    return data.ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=True)
 
 
 def both_train_loaders(dataset, batch, rank, world_size, seed):
-    """The DataLoader and the device loader over one sampler."""
+    """The DataLoader and the device loader over one sampler, as distributed_apex.py makes them."""
     shared = sampler(dataset, rank, world_size, seed)
-    return shared, [loaders.train_loader(dataset, shared, per_rank_batch=batch, env=env(rank, world_size),
-                                      args=SimpleNamespace(workers=0, loader=loader))
-                    for loader in ("dataloader", "device")]
+    return shared, [train_loader(dataset, shared, batch, loader=loader) for loader in ("dataloader", "device")]
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_device_train_batches_equal_the_dataloader_batches(world_size):
     dataset = data.Images(*data.synthetic(50, train=True), augment=True, seed=3)
+    steps = 50 // world_size // 4
     for rank in range(world_size):
         shared, (reference, device) = both_train_loaders(dataset, 4, rank, world_size, seed=3)
-        assert isinstance(device, DeviceTrainLoader) and device.steps == reference.steps == 50 // world_size // 4
+        assert isinstance(device, DeviceLoader) and len(device) == len(reference) == steps
         for epoch, start_step in ((0, 0), (1, 0), (1, 2)):
-            shared.set_epoch(epoch)
-            expected = list(reference.epoch(epoch, start_step))
-            got = list(device.epoch(epoch, start_step))
-            assert len(got) == len(expected) == reference.steps - start_step
+            shared.set_epoch(epoch, skip=start_step * 4)  # as the scripts call it
+            expected = list(reference)
+            shared.set_epoch(epoch, skip=start_step * 4)  # a second pass over the epoch: set_epoch again
+            got = list(device)
+            assert len(got) == len(expected) == len(device) == len(reference) == steps - start_step
             for (want_x, want_y), (x, y) in zip(expected, got, strict=True):
                 assert torch.equal(x, want_x) and torch.equal(y, want_y)
 
@@ -49,9 +46,9 @@ def test_device_test_batches_equal_the_dataloader_shard():
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
     for world_size in (1, 2, 3):
         for rank in range(world_size):
-            reference, device = [loaders.test_loader(dataset, per_rank_batch=3, env=env(rank, world_size),
-                                                  args=SimpleNamespace(workers=0, loader=loader))
-                                  for loader in ("dataloader", "device")]
+            reference, device = [evaluation_loader(dataset, 3, rank, world_size, loader=loader)
+                                 for loader in ("dataloader", "device")]
+            assert isinstance(device, DeviceLoader)
             expected, got = list(reference), list(device)
             assert len(got) == len(expected) == len(device)
             for (want_x, want_y), (x, y) in zip(expected, got, strict=True):
@@ -88,28 +85,52 @@ def test_device_batches_make_no_tensor_from_host_data():
     assert seen.calls == ["tensor", "to", "copy_"]
     train_set = data.Images(*data.synthetic(16, train=True), augment=True, seed=0)
     shared = sampler(train_set, rank=0, world_size=1, seed=0)
-    train = DeviceTrainLoader(train_set, shared, per_rank_batch=4, device=meta)
-    test = DeviceTestLoader(data.Images(*data.synthetic(10, train=False), augment=False, seed=0), 4,
-                            SimpleNamespace(rank=0, world_size=1, device=meta))
+    train = train_loader(train_set, shared, 4, device=meta, loader="device")
+    test_set = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
+    test = evaluation_loader(test_set, 4, rank=0, world_size=1, device=meta, loader="device")
     shared.set_epoch(0)
-    batches = train.epoch(0)  # the epoch's order comes from the host once, here
-    with HostData() as seen:
-        made = [next(batches) for _ in range(3)] + list(test)
-    assert seen.calls == []
-    assert [len(y) for _, y in made] == [4, 4, 4, 4, 4, 2]
+    made, calls = [], []
+    for loader in (train, test):
+        batches = iter(loader)
+        while True:
+            with HostData() as seen:
+                batch = next(batches, None)
+            if batch is None:
+                break
+            made.append(batch)
+            calls.append(seen.calls)
+    # the order of an epoch (or of the test shard) comes from the host once, at its first batch; no batch after it
+    assert calls == [["tensor", "to"], [], [], []] + [["tensor", "to"], [], []]
+    assert [len(y) for _, y in made] == [4, 4, 4, 4, 4, 4, 2]
     assert all(x.device == meta and x.shape[1:] == (3, 32, 32) for x, _ in made)
 
 
-def test_device_loader_without_a_whole_batch_is_a_usage_error():
-    dataset = data.Images(*data.synthetic(5, train=True), augment=True, seed=0)
-    with pytest.raises(UsageError, match="make no whole batch of --batch-size 8"):
-        both_train_loaders(dataset, 4, rank=0, world_size=2, seed=0)
+@pytest.mark.parametrize("script, flags", [("distributed", []),
+                                           ("distributed_apex", ["--opt-level", "O0", "--loader", "device"])])
+def test_a_training_set_without_a_whole_batch_is_a_usage_error(script, flags, tmp_path, capsys, monkeypatch):
+    """5 images and a global batch of 8 give no step with either loader: one line, exit status 2 (a world of one in
+    pytest's process, as torchrun would start it)."""
+    import importlib
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
+        monkeypatch.setenv(name, value)
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    argv = TINY + ["--train-samples", "5", "--batch-size", "8", "--device", "cpu", "--output-dir",
+                   str(tmp_path / "out"), *flags]
+    said = run_main(importlib.import_module(script).main, argv, capsys)
+    assert said.returncode == 2, said
+    (line,) = said.stderr.strip().splitlines()
+    assert "5 training images make no whole batch of --batch-size 8" in line, line
 
 
 def test_loader_flag():
+    """--loader is the fast GPU path's, distributed_apex.py's alone: the other scripts refuse it."""
     import distributed
-    assert distributed.parse_args([]).loader == "dataloader"
-    assert distributed.parse_args(["--loader", "device"]).loader == "device"
+    import distributed_apex
+    assert distributed_apex.parse_args([]).loader == "dataloader"
+    assert distributed_apex.parse_args(["--loader", "device"]).loader == "device"
+    with pytest.raises(SystemExit):
+        distributed.parse_args(["--loader", "device"])
 
 
 def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():

@@ -15,7 +15,8 @@ pytestmark = pytest.mark.slow  # every test here runs the scripts through their 
 # name -> (launcher, script, extra flags); all float32, all with batch statistics over the global batch
 EQUIVALENT = {
     "torchrun": ("torchrun", "distributed.py"),
-    "device-loader": ("torchrun", "distributed.py", "--loader", "device"),
+    # the data set held on the device (the fast GPU path's, distributed_apex.py's alone), in float32 as distributed.py
+    "device-loader": ("torchrun", "distributed_apex.py", "--opt-level", "O0", "--loader", "device"),
     "launch": ("launch", "distributed.py"),
     "one-process": ("python", "distributed.py"),
     "spawn": ("spawn", "distributed_mp.py"),

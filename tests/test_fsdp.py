@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import LossesKept, on_ranks
+from script_parts import sgd_with_cosine
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
@@ -21,8 +22,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed_fsdp as script
 from safety_net import checkpoint
 from safety_net.checkpoint import Options
-from safety_net.errors import StorageError
 from safety_net.sharded_checkpoint import ShardedCheckpoint
+from safety_net.stop_errors import StorageError
 from utils import models
 from utils.launch import Env
 from utils.syncbn import CpuSyncBatchNorm
@@ -75,7 +76,7 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     see what the bfloat16 policy computes in: one process start fewer)."""
     model = script.shard(fresh_model(), None, reshard_after_forward=True)
     args = run_args(output_dir)
-    optimizer, scheduler = models.sgd_with_cosine(model, args)
+    optimizer, scheduler = sgd_with_cosine(model, args)
     checkpoint = ShardedCheckpoint(Options.from_flags(args, sharded=True), env_of(rank, world_size),
                                    "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     epoch, step = checkpoint.resume()
@@ -92,7 +93,7 @@ def on_every_world_size(rank, world_size, output_dir):
     results = {}
     for name in ("ddp", "fsdp"):
         model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, reshard_after_forward=True)
-        optimizer, _ = models.sgd_with_cosine(model, run_args())
+        optimizer, _ = sgd_with_cosine(model, run_args())
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = full_state(model)
         if name == "fsdp":
@@ -179,7 +180,7 @@ def world_of_one():
 
 def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, world_of_one):
     model = fully_shard(nn.Linear(200, 100))
-    optimizer, scheduler = models.sgd_with_cosine(model, run_args())
+    optimizer, scheduler = sgd_with_cosine(model, run_args())
     saver = ShardedCheckpoint(Options.from_flags(run_args(tmp_path, keep=1), sharded=True), world_of_one,
                               "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     saver.save(epoch=1)

@@ -63,21 +63,27 @@ def test_torch_syncbatchnorm_matches_ours(tmp_path):
 
 @needs_gpu
 def test_device_loader_on_cuda_gives_the_cpu_batches():
-    """The draws are exact integer arithmetic and the rest is element-wise: CUDA batches equal the CPU's."""
-    from types import SimpleNamespace
+    """The draws are exact integer arithmetic and the rest is element-wise: CUDA batches equal the CPU's, the
+    training set's (from a step part-way, as a resume starts) and the test shard's."""
+    from script_parts import evaluation_loader, train_loader
 
-    from utils import data, loaders
+    from utils import data
     dataset = data.Images(*data.synthetic(40, train=True), augment=True, seed=5)
-    from torch.utils.data import DistributedSampler
-    sampler = DistributedSampler(dataset, num_replicas=1, rank=0, seed=5, drop_last=True)
-    sampler.set_epoch(1)
-    args = SimpleNamespace(workers=0, loader="device")
-    batches = [loaders.train_loader(dataset, sampler, per_rank_batch=8, env=SimpleNamespace(device=torch.device(d)),
-                                    args=args) for d in ("cpu", "cuda")]
-    for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(*(loader.epoch(1) for loader in batches),
-                                                                    strict=True):
-        torch.testing.assert_close(gpu_images.cpu(), cpu_images, rtol=0, atol=1e-6)
-        assert torch.equal(gpu_targets.cpu(), cpu_targets)
+    sampler = data.ResumableDistributedSampler(dataset, num_replicas=1, rank=0, seed=5, drop_last=True)
+    test_set = data.Images(*data.synthetic(20, train=False), augment=False, seed=5)
+
+    def batches(device: str, skip: int) -> list:
+        sampler.set_epoch(1, skip=skip)  # each pass over the epoch after its own set_epoch, as the scripts do
+        return [*train_loader(dataset, sampler, 8, device=torch.device(device), loader="device"),
+                *evaluation_loader(test_set, 8, rank=0, world_size=2, device=torch.device(device), loader="device")]
+
+    for skip in (0, 8):
+        cpu, gpu = batches("cpu", skip), batches("cuda", skip)
+        assert len(gpu) == len(cpu) == 5 - skip // 8 + 2
+        for (cpu_images, cpu_targets), (gpu_images, gpu_targets) in zip(cpu, gpu, strict=True):
+            assert gpu_images.is_cuda
+            torch.testing.assert_close(gpu_images.cpu(), cpu_images, rtol=0, atol=1e-6)
+            assert torch.equal(gpu_targets.cpu(), cpu_targets)
 
 
 @needs_gpu

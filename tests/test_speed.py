@@ -8,7 +8,7 @@ import pytest
 import torch
 from script_runs import TINY, check, launcher, load_checkpoint, read_metrics, run, run_main
 
-from utils import techniques
+from speed import techniques
 
 LIVE_RECOVERY = "DDP, live recovery (torchft, a replica group per process)"
 
@@ -58,16 +58,42 @@ def test_ddp_runs_as_torch_ships_it_unless_a_comm_hook_is_asked_for():
     assert hooks == ["fp16_compress_hook", "bf16_compress_hook", "powerSGD_hook"]
 
 
-def test_technique_flags_have_help_and_defaults():
+class _Built(Exception):
+    """Raised by the stand-in for DDP once the script has built it: the run goes no further."""
+
+
+def ddp_options_of(script, argv: list[str], monkeypatch) -> dict:
+    """The keyword arguments `script`'s train() gives DistributedDataParallel for these flags (no process group:
+    DDP is replaced by a recorder that stops the run there)."""
+    from types import SimpleNamespace
+
+    def recorded(model, **options):
+        raise _Built(options)
+
+    monkeypatch.setattr(script, "DDP", recorded)
+    env = SimpleNamespace(rank=0, local_rank=0, world_size=1, device=torch.device("cpu"), is_main=True)
+    with pytest.raises(_Built) as built:
+        script.train(script.parse_args(TINY + argv), env, safety=None)
+    return built.value.args[0]
+
+
+def test_technique_flags_have_help_and_defaults(monkeypatch):
     import dataparallel
     import distributed
+    import distributed_apex
     args = distributed.parse_args([])
     assert (args.comm_hook, args.bucket_cap_mb, args.gradient_as_bucket_view, args.static_graph) == \
         ("none", None, True, False)
-    assert (args.channels_last, args.compile, args.optimizer_impl, args.loader) == \
-        (False, False, "auto", "dataloader")
-    assert techniques.ddp_options(args) == {"bucket_cap_mb": None, "gradient_as_bucket_view": True,
-                                            "static_graph": False}
+    assert (args.channels_last, args.compile, args.optimizer_impl) == (False, False, "auto")
+    assert not hasattr(args, "loader") and not hasattr(args, "cuda_graphs")  # the fast GPU path is apex's alone
+    apex = distributed_apex.parse_args([])
+    assert (apex.loader, apex.cuda_graphs) == ("dataloader", False)
+    # the flags reach DDP as its keyword arguments, the defaults and each changed
+    assert ddp_options_of(distributed, ["--no-sync-bn"], monkeypatch) == {
+        "device_ids": None, "bucket_cap_mb": None, "gradient_as_bucket_view": True, "static_graph": False}
+    assert ddp_options_of(distributed, ["--no-sync-bn", "--bucket-cap-mb", "64", "--no-gradient-as-bucket-view",
+                                        "--static-graph"], monkeypatch) == {
+        "device_ids": None, "bucket_cap_mb": 64.0, "gradient_as_bucket_view": False, "static_graph": True}
     dp = dataparallel.parse_args([])
     assert not hasattr(dp, "comm_hook") and hasattr(dp, "channels_last")
 
@@ -79,14 +105,21 @@ def test_bad_technique_flags_are_one_line_errors(argv, capsys):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
-def test_fused_optimizer_impl_needs_torch_sgd():
-    from utils.errors import UsageError
-    assert techniques.optimizer_options("fused", torch.optim.SGD) == {"fused": True}
+def test_fused_optimizer_impl_needs_torch_sgd(monkeypatch, capsys):
+    assert techniques.sgd_kernel("fused") == {"fused": True}
+    assert techniques.sgd_kernel("foreach") == {"foreach": True} and techniques.sgd_kernel("for-loop") == \
+        {"foreach": False}
     # auto: torch's choice, but the fused step under --cuda-graphs (it reads the rate from a tensor the graph sees)
-    assert techniques.optimizer_options("auto", torch.optim.SGD) == {}
-    assert techniques.optimizer_options("auto", torch.optim.SGD, cuda_graphs=True) == {"fused": True}
-    with pytest.raises(UsageError):
-        techniques.optimizer_options("fused", torch.optim.Adam)
+    assert techniques.sgd_kernel("auto") == {}
+    assert techniques.sgd_kernel("auto", cuda_graphs=True) == {"fused": True}
+    # with apex's FusedSGD an --optimizer-impl is refused when the flags are parsed (utils/precision.py)
+    import distributed_apex
+    from utils import precision
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: object())  # as if NVIDIA apex were installed
+    monkeypatch.setattr(precision.launch, "resolve_device", lambda device: "cuda")  # and a GPU visible
+    said = run_main(distributed_apex.main, ["--optimizer", "apex-fused-sgd", "--optimizer-impl", "fused"], capsys)
+    assert said.returncode == 2 and len(said.stderr.strip().splitlines()) == 1, said.stderr
+    assert "--optimizer-impl fused applies to torch.optim.SGD; drop it with apex-fused-sgd" in said.stderr
 
 
 @pytest.mark.slow
@@ -444,6 +477,26 @@ def test_fsdp_profile_bad_input_is_one_line(argv):
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
+def test_every_row_of_ours_gives_flags_its_script_accepts(monkeypatch):
+    """Each row of the scripts (not the peers or the bare step), on the CPU and on a GPU, parses with its script's
+    own parser: a flag that moved to another script (--loader, --cuda-graphs: distributed_apex.py's alone) would
+    make its row fail. The device-side data path is the float32 twin of DDP (torchrun), the row it is compared with."""
+    import importlib
+
+    from benchmarks import run as bench
+    from speed import cuda_graphs
+    monkeypatch.setattr(cuda_graphs, "_no_gpu", lambda args: None)  # the GPU rows' --cuda-graphs, as on a GPU
+    for device in ("cpu", "cuda"):
+        for row in bench.rows(device):
+            if row.table == "peer" or row.needs and not bench.importable(row.needs):  # an optional dependency
+                continue
+            script = importlib.import_module(row.script.removesuffix(".py"))
+            script.parse_args(row.flags)
+    (data_path,) = [r for r in bench.rows("cpu") if r.name == "device-side data path"]
+    assert (data_path.script, data_path.start, data_path.flags, data_path.table) == \
+        ("distributed_apex.py", "torchrun", ["--opt-level", "O0", "--loader", "device"], "technique")
+
+
 def test_the_cuda_graph_rows_stand_beside_the_bfloat16_peers_and_two_runs_cover_every_row():
     """On a GPU: the graph path's two rows beside the plain loop in bfloat16; "seed,peers" and then "others" name
     every row (docs/speed.md: the whole GPU table in two calls), "others" with DDP (torchrun) to compare with."""
@@ -452,6 +505,7 @@ def test_the_cuda_graph_rows_stand_beside_the_bfloat16_peers_and_two_runs_cover_
     for name in ("DDP + bfloat16, CUDA graphs", "DDP + bfloat16, CUDA graphs, no SyncBatchNorm"):
         row = gpu[name]
         assert row.gpu_only and row.amp == "bfloat16" and {"--cuda-graphs", "device"} <= set(row.flags)
+        assert row.script == "distributed_apex.py"  # the fast GPU path is its alone
         assert bench.ours_beside_peers("cuda")[name] == bench.PLAIN_LOOP_BF16
         assert name not in bench.ours_beside_peers("cpu")
     words = bench.keyword_rows("cuda")

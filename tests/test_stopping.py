@@ -167,7 +167,7 @@ def copy_with_slow_steps(folder: Path, step_s: float | str, floor_s: float | Non
         text = (ROOT / script).read_text().replace("import sys\n", "import sys\nimport time\n", 1)
         (copy / script).write_text(text.replace("        optimizer.step()\n", "        optimizer.step()\n"
                                                 f"        time.sleep({step_s})  # a slow step\n", 1))
-    for package in ("utils", "safety_net"):
+    for package in ("utils", "speed", "safety_net"):
         shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
     if floor_s is not None:
         path = copy / "safety_net" / "stopping.py"
@@ -293,7 +293,7 @@ def test_a_diverging_run_stops_and_keeps_the_last_good_checkpoint(tmp_path):
 def test_a_non_finite_model_never_overwrites_a_checkpoint(tmp_path):
     from test_resume import tiny_checkpoints
 
-    from safety_net.errors import Diverged
+    from safety_net.stop_errors import Diverged
     model = torch.nn.Linear(3, 2)
     checkpoints = tiny_checkpoints(tmp_path, model)
     checkpoints.save(1)

@@ -68,6 +68,7 @@ def template(tmp_path) -> Path:
     shutil.copy(ROOT / "distributed.py", copy)
     shutil.copytree(ROOT / "safety_net", copy / "safety_net", ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copytree(ROOT / "speed", copy / "speed", ignore=shutil.ignore_patterns("__pycache__"))
     replace_functions(copy / "utils" / "models.py", MODEL)
     replace_functions(copy / "utils" / "data.py", DATA)
     write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
@@ -134,14 +135,16 @@ def page_diff() -> str:
 
 @pytest.mark.slow
 def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
-    """distributed.py and utils/ only, without the modules the page says belong to the other scripts, the page's
-    diff applied, the page's image folder: it trains under torchrun, at the learning rate the global batch
+    """distributed.py, utils/ and speed/ only, without the modules the page says belong to the other scripts, the
+    page's diff applied, the page's image folder: it trains under torchrun, at the learning rate the global batch
     gives, to well above chance (1 in 6), writing nothing."""
     copy = tmp_path / "lean"
     copy.mkdir()
     shutil.copy(ROOT / "distributed.py", copy)
-    others = ("spawn.py", "gpus.py", "precision.py", "cuda_graphs.py", "live_recovery.py")  # as docs/template.md says
+    others = ("spawn.py", "gpus.py", "precision.py", "live_recovery.py",  # as docs/template.md says
+              "cuda_graphs.py", "device_loader.py")  # of speed/: distributed_apex.py's fast GPU path
     shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__", *others))
+    shutil.copytree(ROOT / "speed", copy / "speed", ignore=shutil.ignore_patterns("__pycache__", *others))
     replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
     subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)
     assert "safety_net" not in (copy / "distributed.py").read_text()
@@ -154,3 +157,14 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     test_loss = [float(line.split("test_loss ")[1]) for line in epochs]
     assert len(epochs) == 6 and top1[-1] >= 60 and test_loss[-1] < test_loss[0] / 2, result.stdout
     assert not list(tmp_path.glob("**/checkpoint.pt")) and not (tmp_path / "runs").exists()
+
+
+def test_the_page_counts_each_copy_as_the_command_does():
+    """docs/template.md's table of what each copy takes is what `python -m benchmarks.copy_size` prints now, its
+    last row measured on the page's own diff applied; and the copy of distributed.py takes nothing of safety_net/
+    once the diff is applied, nor of speed/ but its techniques."""
+    from benchmarks import copy_size
+    table = copy_size.table()
+    assert table in (ROOT / "docs" / "template.md").read_text(), table
+    lean = table.strip().splitlines()[-1]
+    assert "safety_net" not in lean and "cuda_graphs" not in lean and "device_loader" not in lean, lean

@@ -1,23 +1,21 @@
-"""CIFAR-100 and a synthetic stand-in, augmentation, and the DataLoader path that keeps the data-order contract
-(utils/loaders.py picks it or utils/device_loader.py's by --loader).
+"""CIFAR-100 and a synthetic stand-in, their augmentation, and the sampler that keeps the data-order contract.
 
 Data order: DistributedSampler deals a seeded permutation of the training set to the ranks in turn
 (rank r takes positions r, r+W, r+2W, ...), so global step k trains on permutation[k*B:(k+1)*B] at
 every world size W; one process uses the same sampler with W=1 and draws the same permutation.
 Augmentation is drawn per sample from (seed, epoch, index) by `augment_draws`, a counter-based
 integer hash, not from a process's RNG, so a sample is cropped and flipped the same way whichever rank
-or DataLoader worker loads it, on resume, and by either loader (--loader dataloader or device): the
+or DataLoader worker loads it, on resume, and by either loader (the DataLoader or --loader device's): the
 device loader hashes a whole batch of indices on the GPU and gets the same draws as the CPU.
 """
 import itertools
 import os
-import sys
 
 import torch
 import torch.nn.functional as F
 import torchvision
 import torchvision.transforms.v2.functional as TF
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler, Subset
+from torch.utils.data import Dataset, DistributedSampler
 
 from utils import collectives, flags
 from utils.errors import UsageError
@@ -110,10 +108,10 @@ def num_classes(dataset: Dataset) -> int:
 
 
 def add_flags(parser) -> None:
-    """The data flags, read by datasets() and the loaders below. With data of your own, edit them beside your
+    """The data flags, read by datasets() and the scripts' DataLoaders. With data of your own, edit them beside your
     datasets(): a flag your data ignores is better deleted (a checkpoint records --dataset, --train-samples and
     --test-samples, and refuses a resume that changes one)."""
-    group = parser.group("data")
+    group = parser.add_argument_group("data")
     group.add_argument("--data-dir", default="./data",
                        help="where CIFAR-100 is (cifar-100-python/) or will be downloaded")
     group.add_argument("--dataset", choices=["cifar100", "synthetic"], default="cifar100",
@@ -202,74 +200,28 @@ def synthetic(n: int, train: bool, chunk: int = 1000):
     return torch.cat(images)[:n], torch.cat(targets)[:n]
 
 
-# Forked, not left to the default: in a rank started by mp.spawn the default is spawn (and on Python 3.14
-# forkserver everywhere), whose workers import torch again, 10-30 s per start. Fork is safe here: workers
-# only index CPU tensors. macOS keeps its default, spawn (fork is unsafe with its system libraries).
-WORKER_START_METHOD = "fork" if sys.platform == "linux" else None
+class ResumableDistributedSampler(DistributedSampler):
+    """torch's DistributedSampler that can also start an epoch part-way: set_epoch(epoch, skip=n) leaves out this
+    rank's first n samples of that epoch, the batches a mid-epoch checkpoint already trained (DistributedSampler
+    itself always starts at the epoch's beginning). set_epoch also tells the dataset the epoch, where it has a
+    set_epoch of its own (Images: the augmentation's draws depend on it). And a forgotten set_epoch is an error,
+    not a silent repeat of the first epoch's order: each set_epoch allows one pass over the samples."""
 
+    skip = 0
+    _passed = False  # this epoch's samples were iterated already: the next pass needs a set_epoch first
 
-def worker_options(workers: int) -> dict:
-    """DataLoader arguments for `workers` worker processes: forked, kept alive across epochs (started once
-    per run, not once per epoch)."""
-    if workers == 0:
-        return {}
-    return {"num_workers": workers, "multiprocessing_context": WORKER_START_METHOD, "persistent_workers": True}
-
-
-class SkipFirst(Sampler):
-    """The indices of a DistributedSampler after its first `skip`: a mid-epoch resume leaves out the
-    batches its checkpoint already trained (DistributedSampler always starts at the epoch's beginning)."""
-
-    def __init__(self, sampler: DistributedSampler):
-        self.sampler, self.skip = sampler, 0
+    def set_epoch(self, epoch: int, skip: int = 0) -> None:
+        super().set_epoch(epoch)
+        self.skip, self._passed = skip, False
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
 
     def __iter__(self):
-        return itertools.islice(iter(self.sampler), self.skip, None)
+        if self._passed:  # DistributedSampler would deal the same order again, every epoch
+            raise RuntimeError(f"the sampler's epoch {self.epoch} was iterated already: call "
+                               "sampler.set_epoch(epoch) before each epoch's batches")
+        self._passed = True
+        return itertools.islice(super().__iter__(), self.skip, None)
 
     def __len__(self) -> int:
-        return len(self.sampler) - self.skip
-
-    def start(self, epoch: int, start_step: int, per_rank_batch: int) -> None:
-        """Epoch `epoch` from `start_step` on; the DistributedSampler's set_epoch(epoch) must have come first."""
-        if self.sampler.epoch != epoch:  # forgetting it would repeat epoch 0's order in every epoch
-            raise RuntimeError(f"call sampler.set_epoch({epoch}) before the loader's epoch({epoch})")
-        self.skip = start_step * per_rank_batch
-
-
-class TrainLoader:
-    """This rank's batches of an epoch through DataLoader workers, in the order of `sampler` (a
-    DistributedSampler with drop_last=True): global step k is permutation[k*B:(k+1)*B] at any world size."""
-
-    def __init__(self, dataset: Images, sampler: DistributedSampler, per_rank_batch: int, workers: int, pin: bool):
-        self.dataset, self.per_rank_batch = dataset, per_rank_batch
-        self.sampler = SkipFirst(sampler)
-        self.loader = DataLoader(dataset, per_rank_batch, sampler=self.sampler, pin_memory=pin, drop_last=True,
-                                 **worker_options(workers))
-        self.steps = whole_batches(sampler, per_rank_batch)
-
-    def epoch(self, epoch: int, start_step: int = 0):
-        """The batches of `epoch` from `start_step` on; sampler.set_epoch(epoch) must come first."""
-        if hasattr(self.dataset, "set_epoch"):  # Images draws its augmentation from (seed, epoch, index);
-            self.dataset.set_epoch(epoch)  # a dataset of yours: keep the epoch where kept workers see it
-        self.sampler.start(epoch, start_step, self.per_rank_batch)
-        if start_step >= self.steps:  # a checkpoint of the epoch's last step: no workers to start and stop
-            return []
-        return self.loader
-
-
-def whole_batches(sampler: DistributedSampler, per_rank_batch: int) -> int:
-    """This rank's steps per epoch; a training set too small for one global batch is a UsageError."""
-    if not sampler.drop_last:  # a padded last batch would repeat samples and differ between world sizes
-        raise ValueError("the training sampler needs drop_last=True")
-    steps = len(sampler) // per_rank_batch
-    if steps == 0:
-        raise UsageError(f"{len(sampler.dataset)} training images make no whole batch of --batch-size "
-                         f"{per_rank_batch * sampler.num_replicas}")
-    return steps
-
-
-def test_dataloader(dataset: Images, per_rank_batch: int, rank: int, world_size: int, workers: int, pin: bool):
-    """This rank's share of the test set, with no padding: DistributedSampler would repeat samples
-    to even the shards, and the repeats would be counted in the accuracy. Shards may differ by one."""
-    shard = Subset(dataset, range(rank, len(dataset), world_size))
-    return DataLoader(shard, per_rank_batch, shuffle=False, pin_memory=pin, **worker_options(workers))
+        return max(super().__len__() - self.skip, 0)

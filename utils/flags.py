@@ -11,8 +11,8 @@ from utils.errors import UsageError
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on stderr (exit status 2) instead of usage + error, with
-    argument groups made on first use and checks of several flags together run after parsing."""
+    """argparse, but a bad flag is one line on stderr (exit status 2) instead of usage + error, and `checks`, the
+    checks of several flags together, run by parse() after parsing."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -21,12 +21,15 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    def group(self, title: str) -> argparse._ArgumentGroup:
-        """The argument group of this title, made on first use: --help lists groups in that order."""
-        for group in self._action_groups:
-            if group.title == title:
-                return group
-        return self.add_argument_group(title)
+
+
+def group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
+    """argparse's argument group of this title, made by its first caller: several functions add flags to the shared
+    groups ("training", "processes and devices", ...), and --help lists the groups in the order they were made."""
+    for made in parser._action_groups:
+        if made.title == title:
+            return made
+    return parser.add_argument_group(title)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -58,7 +61,7 @@ def make_parser(doc: str, script: str) -> Parser:
 def add_training_flags(parser: Parser) -> None:
     """The optimisation's flags, in the group "training": --epochs, --batch-size, --lr (None unless given: the script
     applies scaled_lr), --warmup-epochs, --momentum, --weight-decay, --seed."""
-    train = parser.group("training")
+    train = group(parser, "training")
     train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
     train.add_argument("--batch-size", type=positive_int, default=256,
                        help="global batch size, summed over all processes/devices (per rank = global / world size)")
@@ -78,7 +81,7 @@ def add_training_flags(parser: Parser) -> None:
 def add_device_flags(parser: Parser, process_group: bool = True) -> None:
     """--device, in the group "processes and devices"; `process_group` adds the flags of a script with one process
     per device: --backend, --dist-timeout and --no-sync-bn."""
-    procs = parser.group("processes and devices")
+    procs = group(parser, "processes and devices")
     procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="auto: cuda when a GPU is visible")
     if not process_group:
@@ -93,12 +96,12 @@ def add_device_flags(parser: Parser, process_group: bool = True) -> None:
 
 def add_torchrun_flags(parser: Parser) -> None:
     """Flags of the scripts started by a launcher (torchrun, torch.distributed.launch, srun)."""
-    group = parser.group("processes and devices")
+    procs = group(parser, "processes and devices")
     # The launcher tells each process who it is: torchrun sets LOCAL_RANK; torch.distributed.launch
     # also passes --local-rank=N (--local_rank before torch 2.0). The environment wins when both exist.
-    group.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch")
-    group.add_argument("--ip", default=None, help="rendezvous address (MASTER_ADDR) if the launcher sets none")
-    group.add_argument("--port", type=port_number, default=None,
+    procs.add_argument("--local-rank", type=int, default=None, help="set by torch.distributed.launch")
+    procs.add_argument("--ip", default=None, help="rendezvous address (MASTER_ADDR) if the launcher sets none")
+    procs.add_argument("--port", type=port_number, default=None,
                        help="rendezvous port (MASTER_PORT) if the launcher sets none")
 
 

@@ -26,7 +26,7 @@ HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive
 
 def add_flags(parser) -> None:
     """The flags of live recovery, in a group of their own; each defaults to the variable torchft's examples use."""
-    group = parser.group("live recovery (torchft)")
+    group = parser.add_argument_group("live recovery (torchft)")
     group.add_argument("--lighthouse", default=os.environ.get("TORCHFT_LIGHTHOUSE", f"http://localhost:{LIGHTHOUSE_PORT}"),
                        help="address of the lighthouse, the job's coordinator (start it first: torchft_lighthouse "
                             "--min_replicas 1); default: $TORCHFT_LIGHTHOUSE")

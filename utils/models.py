@@ -1,9 +1,6 @@
-"""ResNet-18 for 32x32 images, and the optimiser and schedule every script trains it with."""
-import torch
+"""The model every script trains: ResNet-18 for 32x32 images."""
 import torchvision
 from torch import nn
-
-from utils import techniques
 
 ARCH = "resnet18-cifar"
 
@@ -17,19 +14,3 @@ def resnet18_cifar(num_classes: int = 100) -> nn.Module:
     nn.init.kaiming_normal_(model.conv1.weight, mode="fan_out", nonlinearity="relu")  # as torchvision inits
     model.maxpool = nn.Identity()
     return model
-
-
-def sgd_with_cosine(model: nn.Module, args, optimizer_class=torch.optim.SGD, cuda_graphs: bool = False):
-    """SGD with momentum and weight decay, learning rate on a cosine from --lr to 0 over the epochs (after
-    --warmup-epochs rising linearly from --lr/100), stepped once per epoch with scheduler.step(), the
-    non-deprecated form; --optimizer-impl picks torch's for-loop, foreach or fused implementation (auto, under
-    `cuda_graphs`: fused). Reads the flags of utils.flags.add_training_flags and --optimizer-impl."""
-    impl = techniques.optimizer_options(args.optimizer_impl, optimizer_class, cuda_graphs)
-    optimizer = optimizer_class(model.parameters(), lr=args.lr, momentum=args.momentum,
-                                weight_decay=args.weight_decay, **impl)
-    warmup = args.warmup_epochs
-    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - warmup)
-    if not warmup:
-        return optimizer, cosine
-    rising = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=warmup)
-    return optimizer, torch.optim.lr_scheduler.SequentialLR(optimizer, [rising, cosine], milestones=[warmup])

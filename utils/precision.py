@@ -29,7 +29,7 @@ def opt_level(text: str) -> str:
 def add_flags(parser, apex_optimizer: bool = False, opt_level_default: str = "O1", float16: bool = True) -> None:
     """--opt-level and --amp-dtype (and --optimizer with apex's FusedSGD) in a group of their own,
     checked when the flags are parsed. float16=False: a script without loss scaling (FSDP) offers bfloat16 only."""
-    group = parser.group("mixed precision")
+    group = parser.add_argument_group("mixed precision")
     group.add_argument("--opt-level", type=opt_level, default=opt_level_default,
                        help="apex's names: O0 = float32, O1 = mixed precision; O2/O3 are gone")
     picks = ("autocast dtype; auto: float16 on GPU (with loss scaling), bfloat16 on a CPU with native bfloat16 "

@@ -15,7 +15,7 @@ from utils.errors import UsageError
 
 def add_spawn_flags(parser: flags.Parser) -> None:
     """Flags of the scripts that start their own processes with torch.multiprocessing.spawn."""
-    group = parser.group("processes and devices")
+    group = flags.group(parser, "processes and devices")
     group.add_argument("--nprocs", type=flags.positive_int, default=None,
                        help="processes on this machine; default: one per visible GPU, or 2 on the CPU")
     group.add_argument("--nnodes", type=flags.positive_int, default=1, help="number of machines taking part")

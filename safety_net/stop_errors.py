@@ -1,4 +1,5 @@
-"""The safety net's two errors, each one line on stderr through utils.errors.exit_on_error."""
+"""The two errors that stop a run from inside the safety net (a divergence, a failed write), each one line on
+stderr through utils.errors.exit_on_error."""
 from utils.errors import OneLineError
 
 

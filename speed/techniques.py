@@ -1,18 +1,15 @@
-"""The speed techniques the scripts can switch on, each behind a flag: DDP's settings, gradient
-compression hooks, channels-last memory, torch.compile, the data set held on the device (--loader device,
-utils/device_loader.py), the optimizer's step implementation, and (in a module of its own, utils/cuda_graphs.py)
-the whole step replayed from a CUDA graph.
-
-Each is torch's own part; this module only maps the flags onto it. Without a flag DDP runs as torch ships
-it (no communication hook).
+"""The speed techniques' flags and the two of them that are more than a keyword argument: gradient compression
+(--comm-hook) and the optimizer's kernel (--optimizer-impl). The scripts pass the others to torch themselves:
+DDP's settings as DistributedDataParallel's keyword arguments, --channels-last to model.to(), --compile to
+model.compile(). Each is torch's own part; without a flag DDP runs as torch ships it (no communication hook).
+The fast GPU path of distributed_apex.py (--loader device, --cuda-graphs) is speed/cuda_graphs.py's.
 """
 import argparse
 
-import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
-from utils.errors import UsageError
+from utils import flags
 
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd")
 OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
@@ -20,18 +17,13 @@ OPTIMIZER_IMPLS = ("auto", "for-loop", "foreach", "fused")
 
 def add_flags(parser) -> None:
     """The techniques of every script, in the parser's group "speed techniques": --channels-last, --compile,
-    --loader, --optimizer-impl. DDP's are add_ddp_flags's; --cuda-graphs is utils/cuda_graphs.py's add_flag."""
-    group = parser.group("speed techniques")
-    add = group.add_argument
+    --optimizer-impl. DDP's are add_ddp_flags's."""
+    add = flags.group(parser, "speed techniques").add_argument
     on_off = argparse.BooleanOptionalAction
     add("--channels-last", action=on_off, default=False,
         help="keep weights and activations in NHWC order (faster convolutions on tensor cores)")
     add("--compile", action=on_off, default=False,
         help="torch.compile the model (the first steps pay for compilation; needs a C++ compiler on the CPU)")
-    add("--loader", choices=["dataloader", "device"], default="dataloader",
-        help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; device: the whole "
-             "set held on the training device, augmented there in batches, no worker processes (fastest on GPU; "
-             "CIFAR-shaped data.Images sets only). Both give the same batches")
     add("--optimizer-impl", choices=OPTIMIZER_IMPLS, default="auto",
         help="how SGD updates the weights: one tensor at a time (for-loop), batched (foreach), one fused "
              "kernel (fused); auto: torch's choice (foreach on GPU, for-loop on the CPU), fused with --cuda-graphs")
@@ -40,7 +32,7 @@ def add_flags(parser) -> None:
 def add_ddp_flags(parser) -> None:
     """DDP's settings, among the speed techniques: --bucket-cap-mb, --gradient-as-bucket-view, --static-graph,
     --comm-hook (DataParallel and FSDP have none of them)."""
-    add = parser.group("speed techniques").add_argument
+    add = flags.group(parser, "speed techniques").add_argument
     on_off = argparse.BooleanOptionalAction
     add("--bucket-cap-mb", type=positive_float, default=None, metavar="MB",
         help="DDP gradient bucket size: one all-reduce per bucket, started as soon as the bucket is full; "
@@ -61,12 +53,6 @@ def positive_float(text: str) -> float:
     return value
 
 
-def ddp_options(args) -> dict:
-    """Keyword arguments of DistributedDataParallel for the flags above."""
-    return {"bucket_cap_mb": args.bucket_cap_mb, "gradient_as_bucket_view": args.gradient_as_bucket_view,
-            "static_graph": args.static_graph}
-
-
 def register_comm_hook(model: nn.parallel.DistributedDataParallel, name: str, steps_per_epoch: int) -> None:
     """Install --comm-hook on the DDP model; `none` installs nothing (DDP's own float32 all-reduce)."""
     if name == "none":
@@ -82,27 +68,9 @@ def register_comm_hook(model: nn.parallel.DistributedDataParallel, name: str, st
                                         "bf16": default_hooks.bf16_compress_hook}[name])
 
 
-def memory_format(args) -> torch.memory_format:
-    return torch.channels_last if args.channels_last else torch.contiguous_format
-
-
-def compile_if_asked(model: nn.Module, asked: bool, cuda_graphs: bool = False) -> None:
-    """--compile: compile the model in place (nn.Module.compile keeps its state_dict keys and .module), in
-    torch.compile's default mode: fused kernels, no CUDA graphs. With `cuda_graphs` (--cuda-graphs), inductor's own
-    CUDA graphs stay off even if TORCHINDUCTOR_CUDAGRAPHS=1 asks: utils/cuda_graphs.py captures the whole step around
-    the compiled kernels, and inductor's graphs (cudagraph trees) manage their memory in Python at each call, which a
-    replay of the outer graph skips."""
-    if asked:
-        model.compile(options={"triton.cudagraphs": False} if cuda_graphs else None)
-
-
-def optimizer_options(impl: str, optimizer_class, cuda_graphs: bool = False) -> dict:
-    """foreach/fused keyword arguments of torch.optim.SGD for --optimizer-impl `impl` (auto with `cuda_graphs`:
-    fused, the step that reads the learning rate from a tensor the graph sees: utils/cuda_graphs.py)."""
-    if impl == "auto" and cuda_graphs:
-        return {"fused": True}
+def sgd_kernel(impl: str, cuda_graphs: bool = False) -> dict:
+    """torch.optim.SGD's foreach/fused keyword arguments for --optimizer-impl `impl` (auto with `cuda_graphs`:
+    fused, the step that reads the learning rate from a tensor the graph sees: speed/cuda_graphs.py)."""
     if impl == "auto":
-        return {}
-    if optimizer_class is not torch.optim.SGD:
-        raise UsageError(f"--optimizer-impl {impl} applies to torch.optim.SGD; drop it with {optimizer_class.__name__}")
+        return {"fused": True} if cuda_graphs else {}
     return {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}[impl]

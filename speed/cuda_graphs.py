@@ -1,4 +1,5 @@
-"""--cuda-graphs: every training step replayed from one CUDA graph (a speed technique: docs/speed.md).
+"""--cuda-graphs: every training step replayed from one CUDA graph, with --loader device the fast GPU path of
+distributed_apex.py (a speed technique: docs/speed.md).
 
 Eager ResNet-18 on a GPU is bound by the host launching its kernels: at a batch of 256 on an H100 its bare
 step took 2.6 s per 50,000 images eagerly and 0.8 s under torch.compile(mode="reduce-overhead"), which both fuses
@@ -7,17 +8,19 @@ On an H200 this whole training step took 2.07 s per epoch with its eager kernels
 against 2.8 s eager (docs/speed.md). What is captured here is the script's own step: its
 train_one_epoch, run on a list of one batch held in static buffers, with a stand-in for the safety net that keeps
 the step's loss in a static tensor. So the graph holds forward, loss, backward with DDP's gradient all-reduce (and
-SyncBatchNorm's collectives, and no_sync's micro-batches in the accumulation script) and the optimizer's step. Per
+SyncBatchNorm's collectives) and the optimizer's step. Per
 step, outside the graph: the batch copied into the static buffers, the learning rate copied into the tensor the
 optimizer reads (only when the schedule changed it), and the safety net's bookkeeping on the static loss (summed on the
 device; the stop agreement; checkpoints).
 
 With --compile the graph holds the compiled kernels: the model is compiled in torch.compile's default mode (fused
-kernels, no graphs of its own: techniques.compile_if_asked) at the first eager step, and the eager steps launch
-every compiled kernel before the capture (inductor tunes some at their first launch), so nothing compiles or tunes
-at the capture, where torch refuses to compile. Nothing a guard of the compiled code checks changes at the capture:
-the same static inputs, grad mode, autocast and stream at every step; the optimizer, whose learning rate is a
-tensor here, is not compiled. tests/test_cuda_graphs_compiled.py counts the compilations on the CPU.
+kernels, no graphs of its own: CapturedSteps turns inductor's CUDA graphs off, even where TORCHINDUCTOR_CUDAGRAPHS=1
+asks for them, since its cudagraph trees manage their memory in Python at each call, which a replay of the outer
+graph skips) at the first eager step, and the eager steps launch every compiled kernel before the capture (inductor
+tunes some at their first launch), so nothing compiles or tunes at the capture, where torch refuses to compile.
+Nothing a guard of the compiled code checks changes at the capture: the same static inputs, grad mode, autocast and
+stream at every step; the optimizer, whose learning rate is a tensor here, is not compiled.
+tests/test_cuda_graphs_compiled.py counts the compilations on the CPU.
 
 torch's recipe (its CUDA semantics notes: whole-network capture, and usage with DistributedDataParallel):
 - (its step "NCCL's asynchronous error handling off" is obsolete since torch 2.1 and not taken: ProcessGroupNCCL
@@ -42,40 +45,45 @@ import contextlib
 import weakref
 
 import torch
+import torch._inductor.config
 
+from utils import flags
 from utils.errors import UsageError
 
 WARMUP_STEPS = 11  # torch's notes: at least 11 DDP-enabled eager iterations before capture
 
 
-def add_flag(parser) -> None:
-    """--cuda-graphs, among the parser's speed techniques, with its check (why_not) run after parsing."""
+def add_flags(parser) -> None:
+    """The fast GPU path's flags, among the parser's speed techniques: --loader and --cuda-graphs, with the check of
+    --cuda-graphs (why_not) run after parsing."""
     parser.checks.append(why_not)
-    group = parser.group("speed techniques")
-    group.add_argument("--cuda-graphs", action="store_true",
-                       help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in "
-                            "a CUDA graph and replay it every step: one launch instead of thousands. Needs a GPU, "
-                            "--loader device, and bfloat16 or float32 (not float16's loss scaling); with --compile the "
-                            "graph holds the compiled kernels")
+    add = flags.group(parser, "speed techniques").add_argument
+    add("--loader", choices=["dataloader", "device"], default="dataloader",
+        help="dataloader: --workers processes per rank load, crop and flip each image on the CPU; device: the whole "
+             "set held on the training device, augmented there in batches, no worker processes (fastest on GPU; "
+             "CIFAR-shaped data.Images sets only). Both give the same batches")
+    add("--cuda-graphs", action="store_true",
+        help="capture the whole training step (forward, backward, all-reduce, optimizer step) once in a CUDA graph "
+             "and replay it every step: one launch instead of thousands. Needs a GPU, --loader device, and bfloat16 "
+             "or float32 (not float16's loss scaling); with --compile the graph holds the compiled kernels")
 
 
 def why_not(args) -> str | None:
     """Why --cuda-graphs cannot run with these flags (one line), or None: a parser check."""
     if not args.cuda_graphs:
         return None
-    # getattr: --opt-level, --amp-dtype and --optimizer are distributed_apex.py's flags (the others: float32, SGD)
     reasons = [_no_gpu(args),
                "--cuda-graphs replays the step on batches made on the GPU: add --loader device (DataLoader workers "
                "would feed each replay through the host)" if args.loader != "device" else None,
                "--cuda-graphs cannot capture float16's GradScaler, which reads every step's overflow check back to the "
                "host: add --amp-dtype bfloat16 (or --opt-level O0 for float32)"
-               if getattr(args, "opt_level", "O0") != "O0" and getattr(args, "amp_dtype", None) != "bfloat16" else None,
+               if args.opt_level != "O0" and args.amp_dtype != "bfloat16" else None,
                f"--cuda-graphs steps SGD with torch's fused kernel, which reads the learning rate from a tensor the "
                f"graph sees; drop --optimizer-impl {args.optimizer_impl} (or give fused)"
                if args.optimizer_impl not in ("auto", "fused") else None,
                "--cuda-graphs steps torch's fused SGD; apex's FusedSGD takes the learning rate as a number, which the "
                "graph would keep at its first value: use --optimizer sgd"
-               if getattr(args, "optimizer", "sgd") != "sgd" else None,
+               if args.optimizer != "sgd" else None,
                f"--cuda-graphs captures DDP's own all-reduce; --comm-hook {args.comm_hook} runs Python callbacks on "
                "each bucket, which a replay skips: drop one of the two" if args.comm_hook != "none" else None]
     return next((reason for reason in reasons if reason), None)
@@ -138,6 +146,7 @@ class CapturedSteps:
         self.kept = _LossKept()
         self.rates, self.rate_values = None, None  # per parameter group: the tensor the step reads, its value
         self.closed = False  # close() ran: the graph and the buffers are let go, no step runs again
+        torch._inductor.config.triton.cudagraphs = False  # --compile's kernels go into this graph, not into inductor's
         _every_captured_steps.add(self)  # for release_captured_graphs at the script's exit
         if device.type == "cuda":
             stream = torch.cuda.Stream(device)
@@ -203,7 +212,7 @@ class CapturedSteps:
         double, the number itself. Written only when the schedule changed them."""
         if self.rates is None:
             if not all(group.get("fused") for group in optimizer.param_groups):
-                raise UsageError("--cuda-graphs needs torch's fused SGD (utils.techniques.optimizer_options gives it)")
+                raise UsageError("--cuda-graphs needs torch's fused SGD (speed.techniques.sgd_kernel gives it)")
             dtype = torch.float32 if self.device.type == "cuda" else torch.float64
             self.rates = [torch.zeros((), dtype=dtype, device=self.device) for _ in optimizer.param_groups]
             self.rate_values = [None] * len(self.rates)
