@@ -1,16 +1,21 @@
 """The one prepared check for a lent GPU's few minutes: its steps in order of value, each under its own time limit,
 the report written after every step, so that a check cut short still reports what it found.
 
-    python -m benchmarks.gpu_check --output-dir benchmarks/results/gpu-h100     # about 7 minutes on one H100
-    python -m benchmarks.gpu_check --dry-run                                    # the steps and their limits
-    python -m benchmarks.gpu_check --only tests,jobs --output-dir DIR           # some steps again
+    python -m benchmarks.gpu_check --output-dir benchmarks/results/gpu-h100     # at most 9 minutes (--budget-s)
+    python -m benchmarks.gpu_check --dry-run                                    # the plan: steps, limits, commands
+    python -m benchmarks.gpu_check --only tests,job --output-dir DIR            # some steps again
 
-The steps: the device and the versions of torch, CUDA, cuDNN and NCCL; the tests that need a GPU (pytest -m gpu);
-the device loader's host waits per batch under torch.cuda.set_sync_debug_mode("warn") (expected 0); the same
-50,000-image bfloat16 job eager, with --cuda-graphs and with --compile --cuda-graphs (seconds per epoch of epochs
-2-3, losses side by side); the host waits of the graph path between progress lines; then the benchmark's rows
-(python -m benchmarks.run), the most telling first, until the time is spent. A step past its limit is stopped
-(SIGTERM, then SIGKILL) and the check goes on; a step that would start with too little time left is skipped.
+The steps, in this order: the commit and the versions (the device, driver, torch, CUDA, cuDNN, NCCL); the tests
+marked gpu at this commit (pytest -m gpu over tests/); the README's fastest command as a whole 50,000-image job
+(--compile --cuda-graphs: seconds per epoch of epochs 2-3, the first epoch's and the whole command's); the host
+waits of the graph path between progress lines (the epoch's order copied from pinned memory: expected 0);
+distributed.py's timeline on one GPU (--profile-steps, then benchmarks.timeline: kernel and NCCL lanes); FSDP
+against DDP on CUDA (benchmarks.fsdp_profile); then the benchmark's rows (python -m benchmarks.run), the most telling
+first (our fastest, the tuned and the plain peer, the bare step's split into compiled kernels and graph replay,
+FSDP's variants), until the budget is spent. A step past its limit is stopped (SIGTERM, then SIGKILL) and the
+check goes on; a step that would start with too little time left is skipped. The default budget, 530 s, fits the
+9 minutes a lent GPU's call may take; the steps before the benchmark took about 5 of them on an H200 (their
+limits: 7 at most), leaving the benchmark 2 to 4.
 
 Writes to --output-dir: report.md (the table a person reads) and report.json after every step, log.txt (what each
 step printed), and the benchmark's benchmark.md, .json and .png (its tables are written after every row).
@@ -40,15 +45,23 @@ JOB = ["--dataset", "synthetic", "--train-samples", str(EPOCH_IMAGES), "--test-s
        "device", "--device", "cuda"]
 # the same on fewer images (2 epochs of 32 steps: the capture in the first, replays in both), its waits counted
 GRAPH_WAITS_JOB = [*JOB[:2], "--train-samples", "8192", "--test-samples", "512", *JOB[6:8], "--epochs", "2", *JOB[10:]]
-# the benchmark's rows in order of value: ours and the peers in bfloat16 and the ceilings, the seed table, the
-# launch and sharding comparisons, then everything else (each --only value a whole name, a keyword or a part)
-BENCHMARK_ROWS = ["plain tutorial DDP loop + bfloat16 autocast", "Lightning Trainer, DDP, bf16-mixed",
-                  "DDP + bfloat16, CUDA graphs, compiled", "DDP + bfloat16, CUDA graphs", "seed", "DDP (spawn)",
-                  "DDP + bfloat16 autocast", "FSDP + bfloat16 policy", "bare step, CUDA graphs", "peers", "others"]
+# the benchmark's rows in order of value: our fastest, the tuned and the plain peer in bfloat16, the bare step's
+# split of our speed-up (compiled kernels; compiled kernels replayed from graphs) beside our eager-kernel graph and
+# device-loader rows, FSDP's variants, then the seed table, the peers and everything else (each --only value a
+# whole name, a keyword or a part)
+BENCHMARK_ROWS = ["DDP + bfloat16, CUDA graphs, compiled", "tuned tutorial DDP loop + bfloat16 autocast",
+                  "plain tutorial DDP loop + bfloat16 autocast", "bare step, compiled", "bare step, CUDA graphs",
+                  "DDP + bfloat16, CUDA graphs", "DDP + bfloat16, all techniques", "DDP + bfloat16 autocast",
+                  "FSDP + bfloat16 policy", "FSDP (fully_shard)", "FSDP, no reshard after forward", "seed",
+                  "DDP (spawn)", "peers", "others"]
+# distributed.py's few profiled steps on one GPU, for its timeline (benchmarks/timeline.py)
+TIMELINE_RUN = ["--dataset", "synthetic", "--train-samples", "8192", "--test-samples", "512", "--batch-size", "256",
+                "--epochs", "1", "--workers", "4", "--print-freq", "100", "--device", "cuda", "--profile-steps", "3"]
 # how torch.cuda.set_sync_debug_mode("warn") words each host wait (not its notice that the mode is a prototype)
 SYNC_WARNING = "called a synchronizing CUDA operation"
 GRACE_S = 20  # what a step stopped at its limit gets to exit after SIGTERM (the benchmark writes its tables)
 MIN_STEP_S = 30  # a step is not started with less time than this left in the check's budget
+CALL_S = 540  # the 9 minutes one call to a lent GPU may take (its machine's start is counted apart)
 
 
 @dataclass
@@ -69,22 +82,27 @@ def job(name: str, extra: list[str], limit_s: int, what: str) -> Step:
 def steps(out: Path) -> list[Step]:
     """Every step, in the order they run."""
     me = [sys.executable, "-m", "benchmarks.gpu_check"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
+    timeline = shlex.join([*torchrun, "distributed.py", *TIMELINE_RUN, "--output-dir", "{tmp}/run"]) + " && " + \
+        shlex.join([sys.executable, "-m", "benchmarks.timeline", "{tmp}/run", "--output",
+                    str(out / "timeline-distributed.png"), "--title", "distributed.py, one GPU"])
     return [
-        Step("versions", 60, "the device, the driver, torch, CUDA, cuDNN, NCCL", [*me, "--inner", "versions"]),
-        Step("tests", 240, "the tests that need a GPU (pytest -m gpu)",
-             [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "-n", "4", "-p", "no:cacheprovider",
-              "--timeout", "200", "tests/test_gpu.py", "tests/test_cuda_graphs.py",
-              "tests/test_cuda_graphs_compiled.py", "tests/test_failures.py"], read="pytest"),
-        Step("loader-waits", 60, "host waits per batch of --loader device (set_sync_debug_mode('warn')); expected 0",
-             [*me, "--inner", "loader-waits"], read="waits"),
-        job("job-eager", [], 120, "50,000-image bfloat16 job, eager, --loader device"),
-        job("job-cuda-graphs", ["--cuda-graphs"], 120, "the same job, --cuda-graphs"),
-        job("job-compiled-cuda-graphs", ["--compile", "--cuda-graphs"], 300, "the same job, --compile --cuda-graphs"),
-        Step("graph-waits", 120, "host waits of the graph path between progress lines (tests/script_driver.py); "
-                                 "expected 0",
-             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-              "tests/script_driver.py", "--host-reads", "{tmp}/host_reads.txt", "--sync-waits", "distributed_apex.py",
-              *GRAPH_WAITS_JOB, "--cuda-graphs", "--output-dir", "{tmp}/run"], read="waits"),
+        Step("versions", 20, "the commit, the device, the driver, torch, CUDA, cuDNN, NCCL",
+             [*me, "--inner", "versions"]),
+        Step("tests", 170, "the tests marked gpu at this commit (pytest -m gpu tests/)",
+             [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "-n", "6", "-p", "no:cacheprovider",
+              "--timeout", "160", "tests"], read="pytest"),
+        job("job-compiled-cuda-graphs", ["--compile", "--cuda-graphs"], 75,
+            "the README's fastest command as a whole job (--compile --cuda-graphs, 3 epochs of 50,000 images)"),
+        Step("graph-waits", 30, "host waits of the graph path between progress lines (tests/script_driver.py); "
+                                "expected 0",
+             [*torchrun, "tests/script_driver.py", "--host-reads", "{tmp}/host_reads.txt", "--sync-waits",
+              "distributed_apex.py", *GRAPH_WAITS_JOB, "--cuda-graphs", "--output-dir", "{tmp}/run"], read="waits"),
+        Step("timeline", 60, "distributed.py's timeline on one GPU: kernel and NCCL lanes, the overlap share",
+             ["bash", "-c", timeline], read="text"),
+        Step("fsdp-profile", 60, "FSDP against DDP on one GPU, bfloat16, batch 256 (benchmarks.fsdp_profile)",
+             [sys.executable, "-m", "benchmarks.fsdp_profile", "--device", "cuda", "--batch-size", "256",
+              "--precision", "bfloat16"], read="text"),
         Step("benchmark", 600, "python -m benchmarks.run, the rows in order of value until the time is spent",
              [sys.executable, "-m", "benchmarks.run", *[a for row in BENCHMARK_ROWS for a in ("--only", row)],
               "--output-dir", str(out)], read="benchmark"),
@@ -159,6 +177,11 @@ def read_exit(output: str, tmp: Path) -> dict:
         return {"ok": False, "summary": last_lines(output)}
 
 
+def read_text(output: str, tmp: Path) -> dict:
+    """A step that prints what it found: its last lines (run_step marks a failed exit)."""
+    return {"ok": True, "summary": last_lines(output, 4)}
+
+
 def read_pytest(output: str, tmp: Path) -> dict:
     outcomes = re.findall(r"^(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\s+(\S+)(?:\s+-\s+(.*))?$", output, re.M)
     # the last line of pytest -q: "11 passed, 3 skipped in 174.29s (0:02:54)" (between ='s without -q)
@@ -181,8 +204,9 @@ def read_job(output: str, tmp: Path) -> dict:
              "epoch_time_s": [r["epoch_time_s"] for r in records], "peak_memory_mb": records[-1].get("peak_memory_mb")}
     best = f"{min(epochs):.2f} s per 50,000-image epoch (epochs 2-3: {', '.join(f'{s:.2f}' for s in epochs)})" \
         if epochs else "no timed epoch"
+    first = f"; epoch 1's training steps (compilation, warm-up) {records[0]['epoch_time_s']:.1f} s"
     losses = ", ".join(f"{loss:.3f}" for loss in found["train_loss"])
-    return {"ok": len(records) == 3, "summary": f"{best}; train_loss {losses}", "found": found}
+    return {"ok": len(records) == 3, "summary": f"{best}{first}; train_loss {losses}", "found": found}
 
 
 def read_waits(output: str, tmp: Path) -> dict:
@@ -208,12 +232,14 @@ def read_benchmark(output: str, tmp: Path) -> dict:
             "stages": done}
 
 
-READERS = {"exit": read_exit, "pytest": read_pytest, "job": read_job, "waits": read_waits, "benchmark": read_benchmark}
+READERS = {"exit": read_exit, "pytest": read_pytest, "job": read_job, "waits": read_waits, "benchmark": read_benchmark,
+           "text": read_text}
 
 
 def write_report(report: dict, out: Path) -> None:
     (out / "report.json").write_text(json.dumps(report, indent=1) + "\n")
-    lines = ["# GPU check", "", f"`{report['command']}`", "", *[f"- {line}" for line in report["versions"]], "",
+    lines = ["# GPU check", "", f"`{report['command']}` at commit {report.get('commit', 'unknown')}", "",
+             *[f"- {line}" for line in report["versions"]], "",
              "| step | what | result | seconds |", "|---|---|---|---|"]
     for r in report["steps"]:
         mark = "ok" if r.get("ok") else "skipped" if r.get("skipped") else "**FAILED**"
@@ -224,6 +250,19 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("unfinished"):
         lines += ["", f"**Unfinished**: {report['unfinished']}"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
+
+
+def git_commit() -> str:
+    """The commit checked out here, with "+changes" when the tree differs from it; "unknown" without git (a copy
+    of the tree without .git: give --commit)."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
+                               text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+changes" if dirty else "")
 
 
 def inner_versions() -> dict:
@@ -275,13 +314,15 @@ def main(argv=None):
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/gpu_check",
                         help="where report.md, report.json, log.txt and the benchmark's tables go")
-    parser.add_argument("--budget-s", type=flags.positive_int, default=420,
+    parser.add_argument("--budget-s", type=flags.positive_int, default=530,
                         help="seconds for the whole check; each step gets the smaller of its own limit and what is "
                              "left, and the benchmark, last, what remains")
     parser.add_argument("--only", default=None, metavar="STEPS",
                         help="run only these steps, separated by commas (a part of a name selects every step "
                              "that has it: 'job' is the three jobs); --dry-run lists them")
     parser.add_argument("--dry-run", action="store_true", help="print the steps, their limits and commands; run none")
+    parser.add_argument("--commit", default=None,
+                        help="the commit this tree is, for the report (default: git's, where the tree has .git)")
     parser.add_argument("--inner", choices=["versions", "loader-waits"], help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.inner:  # a step of this check, in a process of its own
@@ -296,9 +337,14 @@ def main(argv=None):
             parser.error(f"--only {unknown[0]!r} names no step (the steps: {', '.join(s.name for s in chosen)})")
         chosen = [s for s in chosen if any(t in s.name for t in texts)]
     if args.dry_run:
+        before = 0  # the most the steps before the benchmark can take, by their limits
         for step in chosen:
-            print(f"{step.name:26} at most {step.limit_s:3d} s  {step.what}\n{'':26} {shlex.join(step.command)}")
-        print(f"budget: {args.budget_s} s in all; a step is not started with under {MIN_STEP_S} s left")
+            limit = f"the rest, {max(args.budget_s - before - GRACE_S, 0):3d} s at least" \
+                if step.read == "benchmark" else f"at most {step.limit_s:3d} s"
+            before += 0 if step.read == "benchmark" else step.limit_s
+            print(f"{step.name:26} {limit}  {step.what}\n{'':26} {shlex.join(step.command)}")
+        print(f"budget: {args.budget_s} s in all ({'within' if args.budget_s <= CALL_S else 'over'} the {CALL_S} s "
+              f"of one call to a lent GPU); a step is not started with under {MIN_STEP_S} s left")
         return
     import torch
     if not torch.cuda.is_available():
@@ -307,7 +353,8 @@ def main(argv=None):
     started = time.perf_counter()
     given = sys.argv[1:] if argv is None else argv
     report = {"command": shlex.join(["python", "-m", "benchmarks.gpu_check", *given]),
-              "versions": [], "steps": [], "unfinished": "no step has finished yet"}
+              "commit": args.commit or git_commit(), "versions": [], "steps": [],
+              "unfinished": "no step has finished yet"}
     with open(out / "log.txt", "w") as log:
         for k, step in enumerate(chosen):
             left = args.budget_s - (time.perf_counter() - started)

@@ -53,6 +53,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
+from benchmarks.gpu_check import git_commit
 from examples import own_lighthouse
 from utils import flags, precision
 
@@ -62,6 +63,8 @@ WORKERS = "4"  # the scripts' default --workers
 BARE_STEP = "benchmarks/bare_step.py"
 PLAIN, LIGHTNING = "benchmarks/peers/plain_ddp.py", "benchmarks/peers/lightning_ddp.py"
 PLAIN_LOOP, PLAIN_LOOP_BF16 = "plain tutorial DDP loop", "plain tutorial DDP loop + bfloat16 autocast"
+# the same loop as a careful user tunes it (peers/plain_ddp.py --tuned): torch.compile, channels-last, fused SGD
+TUNED_LOOP_BF16 = "tuned tutorial DDP loop + bfloat16 autocast (compiled, channels-last, fused SGD)"
 
 
 @dataclass
@@ -150,6 +153,8 @@ def rows(device: str) -> list[Row]:
         # and in their mixed precision, beside "DDP + bfloat16 autocast"
         Row(PLAIN_LOOP_BF16, PLAIN, "torchrun", ["--precision", "bfloat16"], "peer",
             amp="bfloat16"),
+        Row(TUNED_LOOP_BF16, PLAIN, "torchrun", ["--precision", "bfloat16", "--tuned"], "peer", amp="bfloat16",
+            full_only=not gpu),  # compiling ResNet-18 takes most of a minute on the CPU
         Row("Lightning Trainer, DDP, bf16-mixed", LIGHTNING, "torchrun", ["--precision", "bfloat16"], "peer",
             amp="bfloat16", needs="lightning"),
         Row("bare step, compiled", BARE_STEP, "side by side", ["--compile", "default"], "peer",
@@ -166,7 +171,7 @@ def ours_beside_peers(device: str) -> dict[str, str]:
     if device == "cuda":  # our fastest path, in bfloat16
         pairs |= {"DDP + bfloat16, CUDA graphs": PLAIN_LOOP_BF16,
                   "DDP + bfloat16, CUDA graphs, no SyncBatchNorm": PLAIN_LOOP_BF16,
-                  "DDP + bfloat16, CUDA graphs, compiled": PLAIN_LOOP_BF16}
+                  "DDP + bfloat16, CUDA graphs, compiled": TUNED_LOOP_BF16}  # compiled beside compiled
     if device == "cpu":
         pairs |= {"no SyncBatchNorm": PLAIN_LOOP, "DDP + bfloat16 autocast, no SyncBatchNorm": PLAIN_LOOP_BF16}
     return pairs
@@ -427,7 +432,7 @@ def hardware(device: str, nprocs: int) -> str:
 def markdown(results: dict) -> str:
     meta = results["meta"]
     base = next((r for r in results["rows"] if r["name"] == "DDP (torchrun)" and "images_per_s" in r), None)
-    lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`.",
+    lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`, at commit {meta.get('commit', 'unknown')}.",
              f"Per-rank batch {meta['batch_size']}, {meta['nprocs']} device(s) ({meta['device']}), "
              f"{meta['steps']} steps per epoch, median of epochs 2-{meta['epochs']}; "
              f"{meta['flops_per_image'] / 1e9:.2f} GFLOP per image (forward + backward, counted).",
@@ -510,9 +515,12 @@ def peers_table(results: dict) -> list[str]:
     base = measured.get("DDP (torchrun)")
     beside = ours_beside_peers(meta["device"])
     ours = [measured[name] for name in beside if name in measured]
-    eager = {"name": "bare step, eager (the ideal)", "script": BARE_STEP, "flags": [], "amp": None, "processes": n,
-             "images_per_s": ideals["float32"]["images_per_s"]}
-    ceilings = [eager] + [r for r in peers if r["script"] == BARE_STEP]
+    # each ideal measured, named by its precision: a bfloat16 row's "vs ideal" is against the bfloat16 one
+    eager = [{"name": f"bare step, eager {dtype} (the {dtype} ideal)", "script": BARE_STEP,
+              "flags": [] if dtype == "float32" else ["--amp-dtype", dtype],
+              "amp": None if dtype == "float32" else dtype, "processes": n, "images_per_s": ideal["images_per_s"]}
+             for dtype, ideal in ideals.items()]
+    ceilings = eager + [r for r in peers if r["script"] == BARE_STEP]
     programs = [r for r in peers if r["script"] != BARE_STEP]
     lines = ["### Peers (the same job written as others write it, and the bare step's ceilings)", "",
              "| row | program + launcher | processes | images/s | s per 50,000-image epoch | vs ideal "
@@ -649,7 +657,7 @@ def main(argv=None):
     meta = {"hardware": hardware(args.device, args.nprocs), "device": args.device, "nprocs": args.nprocs,
             "batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs,
             "command": shlex.join(["python", "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
-            "flops_per_image": flops_per_image(),
+            "commit": git_commit(), "flops_per_image": flops_per_image(),
             "ideal": {}, "peak_tflops": {}, "left_out": left_out}
     print(f"{meta['hardware']}; {len(selected)} rows", flush=True)
     dtypes = list(dict.fromkeys([None] + [r.amp for r in selected]))

@@ -159,7 +159,8 @@ def fake_measurements(monkeypatch, native_bfloat16: bool):
     rates = {"DataParallel": 50.0, "DataParallel + mixed precision": 80.0, "DDP (torchrun)": 60.0,
              "DDP + bfloat16 autocast": 100.0, "plain tutorial DDP loop": 50.0, "Lightning Trainer, DDP": 40.0,
              "plain tutorial DDP loop + bfloat16 autocast": 80.0, "Lightning Trainer, DDP, bf16-mixed": 75.0,
-             "no SyncBatchNorm": 70.0, "DDP + bfloat16 autocast, no SyncBatchNorm": 90.0, "bare step, compiled": 120.0}
+             "no SyncBatchNorm": 70.0, "DDP + bfloat16 autocast, no SyncBatchNorm": 90.0, "bare step, compiled": 120.0,
+             bench.TUNED_LOOP_BF16: 85.0}
     monkeypatch.setattr(bench, "run_row", lambda row, args: {
         "processes": 2, "images_per_s": rates[row.name], "peak_memory_mb": 1.0, "wall_s": 0.0})
     return bench
@@ -342,8 +343,10 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
     assert bench.keyword_rows("cuda")["peers"] & {"no SyncBatchNorm", "DDP + bfloat16 autocast, no SyncBatchNorm"} \
         == set()
     assert "### Peers" in table and "### Techniques" in table  # "no SyncBatchNorm" is a technique row
-    assert "| bare step, eager (the ideal) | `benchmarks/bare_step.py`, 2 side by side | 2 | 100.0 | 500.0 | 1.00 " \
-           "| 1.67 |" in table
+    assert "| bare step, eager float32 (the float32 ideal) | `benchmarks/bare_step.py`, 2 side by side | 2 | 100.0 " \
+           "| 500.0 | 1.00 | 1.67 |" in table  # each ideal named by its precision, its ratio against its own
+    assert "| bare step, eager bfloat16 (the bfloat16 ideal) | `benchmarks/bare_step.py --amp-dtype bfloat16`, 2 " \
+           "side by side | 2 | 200.0 | 250.0 | 1.00 | 3.33 |" in table
     assert "| DDP (torchrun) | `torchrun --nproc_per_node=2 distributed.py` | 2 | 60.0 | 833.3 | 0.60 | 1.00 |" in table
     assert "| plain tutorial DDP loop | `torchrun --nproc_per_node=2 -m benchmarks.peers.plain_ddp` | 2 | 50.0 " \
            "| 1000.0 | 0.50 | 0.83 |" in table
@@ -363,6 +366,10 @@ def test_peers_without_quick_measure_the_compiled_ceiling(monkeypatch, tmp_path)
     assert "| bare step, compiled | `benchmarks/bare_step.py --compile default`, 2 side by side | 2 | 120.0 " \
            "| 416.7 | 1.20 | 2.00 |" in table
     assert "bare step, compiled: left out" not in table and "bare step, CUDA graphs: left out" in table
+    # the tuned peer (compiled like the compiled ceiling: not in --quick on the CPU), and the fastest peer it is
+    assert "| tuned tutorial DDP loop + bfloat16 autocast (compiled, channels-last, fused SGD) | `torchrun " \
+           "--nproc_per_node=2 -m benchmarks.peers.plain_ddp --precision bfloat16 --tuned` | 2 | 85.0 |" in table
+    assert "the fastest peer, tuned tutorial DDP loop + bfloat16 autocast" in table
 
 
 def test_lightning_row_is_left_out_in_one_line_where_lightning_is_missing(monkeypatch, tmp_path, capsys):

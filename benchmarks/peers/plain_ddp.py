@@ -9,6 +9,10 @@ no checkpoints, no stop signals, no evaluation. The model is ResNet-18 for 32x32
 (utils.models.resnet18_cifar) with SyncBatchNorm on GPUs; on the CPU plain per-rank BatchNorm, since
 torch's SyncBatchNorm refuses CPU tensors. The data is the synthetic CIFAR-shaped set (utils.data.synthetic).
 `--precision bfloat16` runs the forward pass under torch.autocast in bfloat16, the tutorials' mixed precision.
+`--tuned` is the same loop as a careful user tunes it, with the three changes any speed guide names first:
+torch.compile of the DDP model, channels-last weights and inputs, and SGD's fused kernel (each also a flag of its
+own). `--seed` and `--no-augment` make a run comparable step by step with the collection's scripts (the same
+weights from the same seed, the same order, the same images: tests/test_peers.py).
 Rank 0 prints one JSON line per epoch: the images/s of all processes together, the epoch's seconds
 (from asking for its first batch to its last optimizer step), rank 0's mean loss and the dtype its
 model's outputs had (what benchmarks.run checks the precision by).
@@ -30,12 +34,13 @@ from utils.models import resnet18_cifar
 
 
 class AugmentedImages(Dataset):
-    """n synthetic uint8 images, each cropped, flipped and normalised by torchvision's transforms when asked for."""
+    """n synthetic uint8 images, each cropped, flipped and normalised by torchvision's transforms when asked for
+    (augment=False: only normalised)."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, augment: bool = True):
         self.images, self.targets = synthetic(n, train=True)
-        self.transform = v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip(),
-                                     v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+        crop_and_flip = [v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()] if augment else []
+        self.transform = v2.Compose([*crop_and_flip, v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
 
     def __len__(self) -> int:
         return len(self.targets)
@@ -57,7 +62,17 @@ def parse_args(argv=None, prog: str = "benchmarks.peers.plain_ddp", doc: str = _
     parser.add_argument("--lr", type=flags.non_negative_float, default=0.1, help="SGD learning rate")
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
                         help="bfloat16: the forward pass under torch.autocast in bfloat16 (Lightning: bf16-mixed)")
+    if prog == "benchmarks.peers.plain_ddp":  # the tuning a careful user adds, and what compares it with ours
+        parser.add_argument("--seed", type=int, default=None, help="seed of the weights (default: unseeded)")
+        parser.add_argument("--no-augment", action="store_true", help="no random crop and flip: normalised images")
+        parser.add_argument("--tuned", action="store_true",
+                            help="all three below: what a careful user adds to the plain loop")
+        parser.add_argument("--compile", action="store_true", help="torch.compile the DDP model")
+        parser.add_argument("--channels-last", action="store_true", help="channels-last weights and inputs")
+        parser.add_argument("--fused-sgd", action="store_true", help="SGD's fused kernel (fused=True)")
     args = parser.parse_args(argv)
+    if getattr(args, "tuned", False):
+        args.compile = args.channels_last = args.fused_sgd = True
     if "LOCAL_RANK" not in os.environ:
         parser.error("start it with torchrun, which tells each process its rank")
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -65,13 +80,15 @@ def parse_args(argv=None, prog: str = "benchmarks.peers.plain_ddp", doc: str = _
     return args
 
 
-def train_epoch(model, loader, optimizer, criterion, device, amp_dtype=None) -> tuple[float, float, str]:
+def train_epoch(model, loader, optimizer, criterion, device, amp_dtype=None,
+                memory_format=torch.contiguous_format) -> tuple[float, float, str]:
     """One pass over this rank's share of the set, the forward under autocast in amp_dtype unless None:
     (seconds, mean loss, the dtype of the model's outputs)."""
     model.train()
     start, loss_sum = time.perf_counter(), torch.zeros((), device=device)
     for images, targets in loader:
-        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        images = images.to(device, non_blocking=True, memory_format=memory_format)
+        targets = targets.to(device, non_blocking=True)
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             outputs = model(images)
             loss = criterion(outputs, targets)
@@ -92,20 +109,26 @@ def main(argv=None):
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if cuda else "gloo")  # torchrun's environment says where the ranks meet
     world_size = dist.get_world_size()
-    dataset = AugmentedImages(args.steps * args.batch_size * world_size)
+    dataset = AugmentedImages(args.steps * args.batch_size * world_size, augment=not args.no_augment)
     sampler = DistributedSampler(dataset)  # a shuffled share of the set for each rank
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.workers,
                         persistent_workers=args.workers > 0, pin_memory=cuda)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     model = resnet18_cifar()
     if cuda:
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    model = DDP(model.to(device), device_ids=[local_rank] if cuda else None)
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4)
+    model = DDP(model.to(device, memory_format=memory_format), device_ids=[local_rank] if cuda else None)
+    if args.compile:
+        model.compile()
+    fused = {"fused": True} if args.fused_sgd else {}
+    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=5e-4, **fused)
     criterion = nn.CrossEntropyLoss()
     amp_dtype = torch.bfloat16 if args.precision == "bfloat16" else None
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # else every epoch repeats the first one's order
-        seconds, loss, outputs = train_epoch(model, loader, optimizer, criterion, device, amp_dtype)
+        seconds, loss, outputs = train_epoch(model, loader, optimizer, criterion, device, amp_dtype, memory_format)
         if dist.get_rank() == 0:
             print(json.dumps({"epoch": epoch + 1, "images_per_s": len(dataset) / seconds, "epoch_time_s": seconds,
                               "train_loss": loss, "world_size": world_size, "outputs": outputs}), flush=True)
