@@ -31,8 +31,20 @@ CATEGORIES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868
 COMPUTE = ("forward", "backward", "optimizer")  # what the overlap counts as compute
 COLLECTIVE_COLOURS = {"all_reduce": "#8172b3", "broadcast": "#64b5cd", "all_gather": "#ccb974",
                       "reduce_scatter": "#c44e52", "memcpy": "#937860"}
+# bytes of an element, by every name a trace gives a dtype: the CPU operators' "Input type" (C++ names), and the
+# "dtype" that record_param_comms attaches to a collective's kernels (ScalarType names, or torch's in newer torch)
 DTYPE_BYTES = {"float": 4, "double": 8, "int": 4, "long int": 8, "c10::Half": 2, "c10::BFloat16": 2, "bool": 1,
-               "unsigned char": 1, "signed char": 1, "short int": 2}
+               "unsigned char": 1, "signed char": 1, "short int": 2,
+               "Float": 4, "Double": 8, "Half": 2, "BFloat16": 2, "Long": 8, "Int": 4, "Short": 2, "Char": 1, "Byte": 1,
+               "Bool": 1, "float32": 4, "float64": 8, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+               "int8": 1, "uint8": 1}
+# the element type in an NCCL kernel's name (ncclDevKernel_AllReduce_Sum_bf16_RING_LL), where its args have none
+KERNEL_DTYPE_BYTES = {"f32": 4, "f64": 8, "f16": 2, "bf16": 2, "i64": 8, "u64": 8, "i32": 4, "u32": 4, "i8": 1, "u8": 1}
+# an NCCL collective's name in a trace (allreduce, _allgather_base, reduce_scatter_tensor_coalesced, AllGather, ...):
+# the first of these words it holds, its underscores and case aside, names it (reduce_scatter before reduce)
+NCCL_WORDS = (("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce"), ("allgather", "all_gather"),
+              ("alltoall", "all_to_all"), ("broadcast", "broadcast"), ("sendrecv", "send_recv"), ("send", "send"),
+              ("recv", "recv"), ("reduce", "reduce"), ("gather", "gather"), ("scatter", "scatter"))
 # the c10d operator a program calls -> the collective's name
 ASKED = {"allreduce_": "all_reduce", "allreduce_coalesced_": "all_reduce", "broadcast_": "broadcast",
          "_allgather_base_": "all_gather", "allgather_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
@@ -228,12 +240,25 @@ def _collectives(events: list, kernels: list) -> list[Collective]:
         if k.get("cat") == "gpu_memcpy" and ("DtoD" in name or "PtoP" in name):  # DataParallel's copies
             out.append(Collective(k["start"], k["end"], "memcpy", "memcpy", int(args.get("bytes", 0))))
         elif k.get("cat") == "kernel" and "nccl" in name.lower():  # ncclDevKernel_AllReduce_Sum_f32_RING_LL
-            asked = str(args.get("Collective name") or name.split("_")[1]).lower().replace("_", "")
-            asked = {"allreduce": "all_reduce", "allgather": "all_gather", "reducescatter": "reduce_scatter"}.get(
-                asked, asked)
-            numel = int(args.get("In msg nelems", 0) or 0)
-            out.append(Collective(k["start"], k["end"], asked, asked, numel * DTYPE_BYTES.get(args.get("dtype"), 4)))
+            asked = nccl_collective(str(args.get("Collective name") or name.split("_")[1]))
+            # the bytes it moved: the larger of its input and output (an all-gather's output is N inputs)
+            numel = max(int(args.get("In msg nelems", 0) or 0), int(args.get("Out msg nelems", 0) or 0))
+            out.append(Collective(k["start"], k["end"], asked, asked, numel * nccl_dtype_bytes(name, args)))
     return sorted(out, key=lambda c: c.start)
+
+
+def nccl_collective(text: str) -> str:
+    """The collective a trace's name for an NCCL kernel or its "Collective name" means: all_reduce, all_gather, ..."""
+    key = text.lower().replace("_", "")
+    return next((name for word, name in NCCL_WORDS if word in key), key)
+
+
+def nccl_dtype_bytes(kernel_name: str, args: dict) -> int:
+    """The bytes of an element of an NCCL kernel: its args' dtype, else the type in its name, else 4."""
+    if args.get("dtype") in DTYPE_BYTES:
+        return DTYPE_BYTES[args["dtype"]]
+    parts = kernel_name.lower().split("_")
+    return next((KERNEL_DTYPE_BYTES[p] for p in parts if p in KERNEL_DTYPE_BYTES), 4)
 
 
 def overlap(lanes: list[Lane]) -> tuple[float, list[float]]:

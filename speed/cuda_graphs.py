@@ -85,7 +85,9 @@ def why_not(args) -> str | None:
                "graph would keep at its first value: use --optimizer sgd"
                if args.optimizer != "sgd" else None,
                f"--cuda-graphs captures DDP's own all-reduce; --comm-hook {args.comm_hook} runs Python callbacks on "
-               "each bucket, which a replay skips: drop one of the two" if args.comm_hook != "none" else None]
+               "each bucket, which a replay skips: drop one of the two" if args.comm_hook != "none" else None,
+               "--profile-steps would record the eager steps before the capture, not the replays (a replay is one "
+               "launch, not the step's kernels): profile without --cuda-graphs" if args.profile_steps else None]
     return next((reason for reason in reasons if reason), None)
 
 
