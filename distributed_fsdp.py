@@ -22,6 +22,7 @@ from safety_net.sharded_checkpoint import ShardedCheckpoint
 from speed import techniques
 from utils import data, flags, launch, metrics, models, precision
 from utils.errors import UsageError, exit_on_error
+from utils.sharded_evaluation import PaddedShard
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -116,7 +117,7 @@ def train(args, env, safety) -> int:
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
-        safety.write_eval(metrics.evaluate(model, test_loader, env.device, sharded=True))
+        safety.write_eval(metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device))
         return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -130,7 +131,7 @@ def train(args, env, safety) -> int:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
-        results = metrics.evaluate(model, test_loader, env.device, sharded=True)
+        results = metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()
         safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line

@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
 from torch.utils.data import DataLoader
 
-from safety_net import SafetyNet
+from safety_net.healing import HealingSafetyNet
 from speed import techniques
 from utils import data, flags, launch, live_recovery, metrics, models
 from utils.errors import UsageError, exit_on_error
@@ -36,7 +36,7 @@ def parse_args(argv=None):
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser)  # --device, --backend, --dist-timeout, --no-sync-bn
     techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
-    SafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
+    HealingSafetyNet.add_flags(parser)  # --output-dir, checkpoints, --evaluate, --print-freq
     live_recovery.add_flags(parser)  # --lighthouse, --replica-group, --replica-groups, --min-replica-groups
     args = flags.parse(parser, argv)
     if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
@@ -167,9 +167,9 @@ def train(args, env, safety) -> int:
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
+    safety = HealingSafetyNet.for_flags(args, __file__)  # + a heal's state; Ctrl-C, SIGTERM: stop, checkpoint
     with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+        HealingSafetyNet.check_flags_before_start(args, __file__)  # <output-dir> free, its checkpoint usable
         live_recovery.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":

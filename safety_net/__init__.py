@@ -22,7 +22,6 @@ every rank calls it at the same line of the script: moved onto one rank's path, 
         safety.save(epoch + 1)
     return safety.finish()
 """
-import copy
 import importlib.util
 import multiprocessing
 import os
@@ -33,7 +32,6 @@ from safety_net import checkpoint as checkpoints
 from safety_net import metrics_log, profiling, stopping
 from safety_net.progress import EpochProgress
 from utils import flags
-from utils.errors import UsageError
 
 
 class SafetyNet:
@@ -57,7 +55,7 @@ class SafetyNet:
         self.env = self.checkpoint = self.log = self.progress = None
         self.start_at = (0, 0)  # (epoch, step) the run continues from
         self.steps_per_epoch = 0
-        self.progress_note = None  # note_in_progress_lines
+        self.progress_note = None  # a function whose words end each progress line (safety_net/healing.py)
         self.profile_steps, self.profiler = profile_steps, None  # made by arm() when asked for
 
     @staticmethod
@@ -176,38 +174,6 @@ class SafetyNet:
         if self.start_at[0] == self.options.epochs and self.env.is_main:
             print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
         return self.start_at[0]
-
-    def state_for_a_peer(self) -> dict:
-        """What a live replica group hands one that heals from it (distributed_live_recovery.py): every part given
-        to resume() as a checkpoint holds it, with the epoch and step this process has reached. Local, no
-        collective: torchft calls it from a thread of its own while the training loop waits for the quorum. A copy:
-        the peer reads it while this group's next forward updates BatchNorm's statistics in place."""
-        epoch, step = (self.progress.epoch, self.progress.step) if self.progress else self.start_at
-        weights = checkpoints.unwrap(self.checkpoint.parts["model"]).state_dict()
-        return copy.deepcopy(self.checkpoint.state(weights, epoch, step, epoch_loss=(0.0, 0.0)))
-
-    def take_state_from_a_peer(self, state: dict) -> None:
-        """Every part from a live replica group's state_for_a_peer(), and its place in the run: the epoch loop
-        starts there (epoch_to_start). A peer that trains another run (other flags) is a UsageError."""
-        for name, value in self.options.run.items():
-            if state["run"].get(name, value) != value:
-                flag = "--" + name.replace("_", "-")
-                raise UsageError(f"the live replica groups train with {flag} {state['run'][name]}, this one with "
-                                 f"{value}: start every replica group with the same flags")
-        self.checkpoint.restore(state, "a live replica group's state")
-        self.checkpoint.epoch_loss = (0.0, 0.0)  # the epoch's loss so far is the peer's: this group counts its own
-        self.start_at = (state["epoch"], state["step"])
-        if self.env.is_main:
-            print(f"healed from a live replica group: its weights, optimizer and schedule at epoch "
-                  f"{state['epoch'] + 1}, step {state['step']}", flush=True)
-
-    def epoch_to_start(self) -> int:
-        """The epoch the loop starts at: the checkpoint's (resume), or the live group's a heal took (above)."""
-        return self.start_at[0]
-
-    def note_in_progress_lines(self, note) -> None:
-        """note(): a few words put at the end of every progress line (called only when one is printed)."""
-        self.progress_note = note
 
     def begin_epoch(self, epoch: int) -> int:
         """Starts the epoch's clock and loss; returns the step to start from: 0, or on the epoch a mid-epoch

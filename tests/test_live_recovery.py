@@ -198,18 +198,18 @@ def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, mon
 
 
 def test_a_group_with_other_flags_is_refused_when_it_would_heal(tmp_path):
-    """The state a live group hands over (SafetyNet.state_for_a_peer) carries its run's flags: a group started with
-    another --lr is refused in one line when it would take it, before any of it is loaded. (By hand, a group 1 with
-    --lr 0.05 joining a group 0 at the default rate exits 2 with this line; group 0 trains on.)"""
-    from safety_net import SafetyNet
+    """The state a live group hands over (HealingSafetyNet.state_for_a_peer) carries its run's flags: a group started
+    with another --lr is refused in one line when it would take it, before any of it is loaded. (By hand, a group 1
+    with --lr 0.05 joining a group 0 at the default rate exits 2 with this line; group 0 trains on.)"""
+    from safety_net.healing import HealingSafetyNet
     from utils.errors import UsageError
 
     def flags_of(*extra):
         return distributed_live_recovery.parse_args(TINY + ["--output-dir", str(tmp_path), *extra])
 
     with stop_handlers_undone():
-        live = SafetyNet.for_flags(flags_of(), SCRIPT)
-        joiner = SafetyNet.for_flags(flags_of("--lr", "0.05"), SCRIPT)
+        live = HealingSafetyNet.for_flags(flags_of(), SCRIPT)
+        joiner = HealingSafetyNet.for_flags(flags_of("--lr", "0.05"), SCRIPT)
         with pytest.raises(UsageError) as refused:
             joiner.take_state_from_a_peer({"run": live.options.run, "epoch": 0, "step": 8})
     assert str(refused.value) == (f"the live replica groups train with --lr {live.options.run['lr']}, this one with "

@@ -372,9 +372,10 @@ def test_evaluation_gives_way_to_a_signal_on_one_rank_and_all_ranks_agree(signal
 
 
 def test_a_sharded_evaluation_cannot_be_cut_short_on_one_rank():
+    from utils.sharded_evaluation import PaddedShard
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5))
     with pytest.raises(ValueError, match="sharded"):
-        metrics.evaluate(model, [], torch.device("cpu"), stop=lambda: False, sharded=True)
+        metrics.evaluate(model, PaddedShard([], torch.device("cpu")), torch.device("cpu"), stop=lambda: False)
 
 
 def handles_sigterm(launcher_pid: int) -> bool:

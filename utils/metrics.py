@@ -1,6 +1,5 @@
 """Exact evaluation over all ranks: top-1, top-5 and the loss over exactly the test set."""
 import contextlib
-import itertools
 
 import torch
 import torch.nn.functional as F
@@ -9,41 +8,28 @@ from utils import collectives
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None,
-             sharded: bool = False) -> dict:
+def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtype=None, stop=None) -> dict:
     """Top-1/top-5 accuracy and mean loss over exactly the test set, whatever the world size (collective:
-    one all-reduce of the counts; sharded, also an all-gather in every forward).
+    one all-reduce of the counts).
 
     stop: a function of no arguments asked before each batch, on this rank only (SafetyNet.stop_received_here):
     once it says yes this rank stops evaluating, and the results are partial; the caller then agrees with
-    the other ranks whether to stop (SafetyNet.ask_all_ranks_whether_to_stop). Not with sharded=True, where a
-    rank that left early would leave the others waiting in their all-gathers.
+    the other ranks whether to stop (SafetyNet.ask_all_ranks_whether_to_stop). Not with a loader whose ranks must
+    forward together (a sharded model's: utils/sharded_evaluation.py), where a rank that left early would leave
+    the others waiting in their all-gathers.
 
     Pass the unwrapped module under DDP: each rank's shard may be one sample shorter than another's,
     and DDP's forward would wait on the others at a step they never take. Each rank counts hits and
     the loss sum on its shard; one all-reduce of the counts gives the exact totals (averaging per-batch
-    accuracies across ranks would weight batches, not samples).
-
-    sharded=True: a sharded model (FSDP) all-gathers its parameters in every forward, so every rank takes
-    part in as many forwards as the rank with the most batches; a rank whose shard is shorter forwards
-    an empty batch."""
+    accuracies across ranks would weight batches, not samples)."""
+    if stop is not None and getattr(loader, "ranks_forward_together", False):
+        raise ValueError("evaluate: a sharded model's ranks must forward together; stop cannot end one early")
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=device)  # loss sum, top-1 hits, top-5 hits, count
     amp = (torch.autocast(device.type, dtype=autocast_dtype) if autocast_dtype else contextlib.nullcontext())
-    batches = iter(loader)
-    empty = None
-    if sharded:
-        first = next(batches, None)
-        empty = _empty_batch(first, device)
-        batches = itertools.chain([first] if first is not None else [], batches)
-    if stop is not None and sharded:
-        raise ValueError("evaluate: a sharded model's ranks must forward together; stop cannot end one early")
-    for _ in range(_most_batches_of_any_rank(loader, device) if sharded else len(loader)):
+    for images, targets in loader:
         if stop is not None and stop():  # a stop signal: this rank leaves, the caller agrees with the others
             break
-        images, targets = next(batches, (None, None))
-        if images is None:  # this rank's shard is shorter: it still takes part in the all-gathers
-            images, targets = empty
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
         with amp:
@@ -57,16 +43,3 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
     count = max(count, 1)
     return {"test_loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,
             "samples": int(count)}
-
-
-def _empty_batch(first, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """A batch of 0 images of the test set's image shape, which a rank with no images learns from the others."""
-    shape = torch.tensor(first[0].shape[1:] if first is not None else [], dtype=torch.long)
-    shape = collectives.all_reduce_max(torch.nn.functional.pad(shape, (0, 8 - len(shape))).to(device))
-    dims = [d for d in shape.tolist() if d]
-    return torch.empty(0, *dims, device=device), torch.empty(0, dtype=torch.long, device=device)
-
-
-def _most_batches_of_any_rank(loader, device: torch.device) -> int:
-    """Shards differ by one sample, so their batch counts by up to one; a sharded model forwards as many on each."""
-    return int(collectives.all_reduce_max(torch.tensor([len(loader)], device=device)).item())
