@@ -118,7 +118,7 @@ def train(args, env, safety) -> int:
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
         run_epoch(model, criterion, optimizer, train_loader, env.device, safety, amp_dtype, scaler)
-        # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
+        # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()

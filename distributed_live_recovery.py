@@ -155,7 +155,7 @@ def train(args, env, safety) -> int:
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
         if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
             average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
-        # the unwrapped module (see metrics.evaluate); a stop signal cuts it short
+        # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()
