@@ -1,10 +1,29 @@
 """pytest's hooks and fixtures, nothing else: what the test files import is in modules of its own (script_runs.py:
 running the scripts and reading what they wrote; processes.py: the processes a run starts and leaves)."""
+import json
 import os
+import shutil
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from script_runs import TINY, check, launcher, run
+
+# The test files that take longest (seconds on 2 cores, a whole run of the suite), started first: with --dist loadfile
+# a worker takes a whole file, and a long file started last leaves the other worker idle until it ends (the longest
+# first, the shortest last: the two workers then finish within a short file of each other). A file not named here
+# comes after these, in its usual place; a wrong guess costs time, never a test.
+LONGEST_FIRST = ["test_live_recovery.py", "test_stopping.py", "test_resume.py", "test_speed.py", "test_multinode.py",
+                 "test_fsdp_runs.py", "test_template.py", "test_end_to_end.py", "test_cuda_graphs.py",
+                 "test_failures.py", "test_checkpoints.py", "test_learning.py", "test_host_reads.py",
+                 "test_a_rank_fails.py", "test_profiling.py", "test_fsdp.py", "test_bad_input.py"]
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Each file's tests stay together and in their order; the files named in LONGEST_FIRST go first, in its order
+    (pyproject.toml's --no-loadscope-reorder keeps xdist to this order)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
@@ -16,14 +35,26 @@ def pytest_xdist_auto_num_workers(config) -> int:
 
 
 @pytest.fixture(scope="session")
-def runs(tmp_path_factory):
-    """Runs of the scripts on TINY data, each made once per session and shared by the tests."""
+def runs(tmp_path_factory, worker_id):
+    """Runs of the scripts on TINY data, each made once per session and shared by the tests: under xdist once for
+    all the workers (the first to ask makes it under a lock, in the folder the workers' temporary folders share;
+    the others wait for it and read it there)."""
     cache = {}
+    shared = tmp_path_factory.getbasetemp() if worker_id == "master" else tmp_path_factory.getbasetemp().parent
 
     def get(name: str, kind: str, script: str, *args: str, nprocs: int = 2) -> Path:
         if name not in cache:
-            out = tmp_path_factory.mktemp(name)
-            check(run(launcher(kind, script, nprocs) + TINY + list(args) + ["--output-dir", str(out)]))
+            command = launcher(kind, script, nprocs) + TINY + list(args)
+            out = shared / "runs" / name
+            with FileLock(str(shared / f"runs-{name}.lock"), timeout=600):
+                made = out / "command.json"
+                if not made.exists():  # the first to ask: a failed run fails its test, and the next starts afresh
+                    shutil.rmtree(out, ignore_errors=True)
+                    out.mkdir(parents=True)
+                    check(run(command + ["--output-dir", str(out)]))
+                    made.write_text(json.dumps(command))
+                # one name, one run: a name asked for with other flags is a mistake in the tests
+                assert json.loads(made.read_text()) == command, (name, json.loads(made.read_text()), command)
             cache[name] = out
         return cache[name]
 

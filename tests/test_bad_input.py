@@ -127,12 +127,15 @@ def test_more_processes_than_gpus_with_nccl(monkeypatch):
     spawn.check_launch(args, local_processes=2, gpu_count=2)
 
 
-def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path):
+def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path, capsys):
+    """Refused by the checks before the process group forms: main(argv) in this process, as `python distributed.py`
+    runs it."""
+    import distributed
     out = tmp_path / "out"
     out.mkdir()
     (out / "checkpoint.pt").write_bytes(b"PK\x03\x04 not really a checkpoint")
     before = (out / "checkpoint.pt").read_bytes()
-    result = run(launcher("python", "distributed.py") + TINY + ["--output-dir", str(out)], timeout=120)
+    result = run_main(distributed.main, TINY + ["--output-dir", str(out)], capsys)
     assert_one_line_error(result, "not a readable checkpoint")
     assert (out / "checkpoint.pt").read_bytes() == before
 

@@ -96,7 +96,7 @@ def test_timeline_of_a_folder_without_traces_is_one_line(tmp_path, capsys):
 
 
 def test_a_run_without_the_flag_records_nothing(runs):
-    out = runs("one-process", "python", "distributed.py")  # test_end_to_end.py's run, where the same worker made it
+    out = runs("one-process", "python", "distributed.py")  # test_end_to_end.py's run, made once for all workers
     assert not (out / "profile").exists()
 
 

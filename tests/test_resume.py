@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from script_runs import ROOT, check, launcher, load_checkpoint, read_metrics, run, subprocess_env
+from script_runs import ROOT, check, launcher, load_checkpoint, read_metrics, run, run_main, subprocess_env
 from torch import nn
 
 from examples.local_processes import descendants
@@ -117,7 +117,9 @@ def test_a_warmed_up_run_continues_mid_epoch_to_the_same_weights(tmp_path):
     """--warmup-epochs: the schedule (linear warm-up, then the cosine) travels with the checkpoint. Resumed in
     its second epoch, the run must step on to the cosine's second rate; a schedule started afresh would give
     the third epoch the first (a rate the optimizer's saved state does not carry across an epoch's end)."""
-    cmd = launcher("python", "distributed.py") + RUN + ["--epochs", "3", "--warmup-epochs", "1", "--keep", "5"]
+    # batches of 8 (48 images): the same 6 steps per epoch, checkpoints and rates, at half the arithmetic
+    cmd = launcher("python", "distributed.py") + RUN + ["--epochs", "3", "--warmup-epochs", "1", "--keep", "5",
+                                                        "--train-samples", "48", "--batch-size", "8"]
     check(run(cmd + ["--output-dir", str(tmp_path / "whole")]))
     assert [r["lr"] for r in read_metrics(tmp_path / "whole")] == pytest.approx([0.0001, 0.01, 0.005])
     mid_epoch_2 = tmp_path / "whole" / "checkpoint.4.pt"  # 9 saves, 5 kept: the oldest is epoch 2, step 4
@@ -148,9 +150,12 @@ def test_resume_from_a_named_checkpoint(reference, tmp_path):
 
 
 @pytest.mark.slow
-def test_resume_with_other_flags_is_refused(reference, tmp_path):
+def test_resume_with_other_flags_is_refused(reference, tmp_path, capsys):
+    """Refused by the checks before the process group forms: main(argv) in this process, as `python distributed.py`
+    runs it (no subprocess spending seconds on importing torch)."""
+    import distributed
     shutil.copytree(reference, tmp_path / "out")
-    result = run(launcher("python", "distributed.py") + RUN + ["--lr", "0.1", "--output-dir", str(tmp_path / "out")])
+    result = run_main(distributed.main, RUN + ["--lr", "0.1", "--output-dir", str(tmp_path / "out")], capsys)
     assert result.returncode == 2 and "--lr 0.01" in result.stderr and "--restart" in result.stderr
     assert "--init-from" in result.stderr  # "train it longer" or fine-tune: a new run from these weights
 

@@ -477,10 +477,12 @@ def test_fsdp_profile_compares_the_layouts_and_lists_what_grows():
 
 
 @pytest.mark.parametrize("argv", [["--steps", "0"], ["--precision", "float16"], ["--device", "cuda"]])
-def test_fsdp_profile_bad_input_is_one_line(argv):
+def test_fsdp_profile_bad_input_is_one_line(argv, capsys):
+    """Refused before its process group of one forms: main(argv) in this process, as python -m runs it."""
     if argv == ["--device", "cuda"] and torch.cuda.is_available():
         pytest.skip("a GPU is visible")
-    result = run([sys.executable, "-m", "benchmarks.fsdp_profile", *argv])
+    from benchmarks import fsdp_profile
+    result = run_main(fsdp_profile.main, argv, capsys)
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
 
 
