@@ -4,7 +4,6 @@
     python distributed_apex.py --amp-dtype bfloat16         # bfloat16 needs no loss scaling
     torchrun --standalone --nproc_per_node=4 distributed_apex.py   # started by torchrun instead of spawn
     torchrun --standalone --nproc_per_node=1 distributed_apex.py --amp-dtype bfloat16 --loader device --cuda-graphs
-
 apex.amp's O1 became torch.autocast + GradScaler; apex.parallel's DDP and SyncBatchNorm, torch's (apex_migration.md).
 """
 import os
