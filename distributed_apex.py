@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
@@ -98,10 +98,10 @@ def train(args, env, safety) -> int:
     optimizer = precision.optimizer_class(args.optimizer)(  # --optimizer: torch's SGD, or apex's FusedSGD
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         **techniques.sgd_kernel(args.optimizer_impl, cuda_graphs=args.cuda_graphs))
-    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # --lr to 0, by epoch
     if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
-        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
-        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
+        warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, SequentialLR
+from torch.optim import lr_scheduler
 from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
@@ -97,10 +97,10 @@ def train(args, env, safety) -> int:
     optimizer = torch.optim.SGD(  # --optimizer-impl: torch's for-loop, foreach or fused kernel
         model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
         **techniques.sgd_kernel(args.optimizer_impl))
-    scheduler = CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # from --lr to 0, per epoch
+    scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # --lr to 0, by epoch
     if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
-        warmup = LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
-        scheduler = SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
+        warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model)
