@@ -2,7 +2,6 @@
 directly or through another (docs/template.md's table, which tests/test_template.py keeps true).
 
     python -m benchmarks.copy_size                 # the table, in Markdown
-    python -m benchmarks.copy_size --markdown-only # the same without the line that names the lean copy
 
 Lines are physical lines of the files as they are (at the repository's ruff settings, line length 120), comments
 and docstrings included; "code" leaves out blank lines, comments and docstrings. The lean copy is distributed.py
@@ -10,6 +9,7 @@ with docs/template.md's diff applied (no safety net), and what it imports."""
 import argparse
 import ast
 import io
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,7 +86,7 @@ def lean_copy(workdir: Path) -> Path:
     page = (ROOT / "docs" / "template.md").read_text()
     diff = page.split("```diff\n", 1)[1].split("```\n", 1)[0]
     for package in ("utils", "speed"):
-        subprocess.run(["cp", "-r", str(ROOT / package), str(workdir / package)], check=True)
+        shutil.copytree(ROOT / package, workdir / package, ignore=shutil.ignore_patterns("__pycache__"))
     (workdir / "distributed.py").write_text((ROOT / "distributed.py").read_text())
     subprocess.run(["git", "apply", "-"], cwd=workdir, input=diff, text=True, check=True, capture_output=True)
     return workdir / "distributed.py"

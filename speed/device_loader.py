@@ -10,7 +10,7 @@ from utils.errors import UsageError
 
 class DeviceLoader:
     """DataLoader(dataset, batch_size, sampler=sampler, drop_last=drop_last)'s batches, made on `device`: the
-    images the sampler can name are held there as uint8, and each batch is gathered, cropped, flipped (when the
+    dataset's images are held there as uint8, and each batch is gathered, cropped, flipped (when the
     dataset augments, at the epoch of its set_epoch) and normalised there, with no worker processes. Bit for bit
     the DataLoader's batches: the same sampler, draws and elementwise float functions. The sampler is iterated
     on the host once per epoch, as a DataLoader does; a sampler with a `skip` (data.ResumableDistributedSampler)
