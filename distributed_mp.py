@@ -20,7 +20,7 @@ from safety_net import SafetyNet
 from speed import techniques
 from utils import data, flags, launch, metrics, models
 from utils.errors import UsageError, exit_on_error
-from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, spawn_errors
+from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, supervising_the_ranks
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -141,8 +141,8 @@ def main(argv=None):
     with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
         complete_and_check_spawn_flags(args)  # --nprocs: one per visible GPU unless given; --port: a free one
         SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-    # a stop signal to this process goes to the ranks, which save and exit; then this one exits too
-    with spawn_errors(), SafetyNet.stop_signals_passed_to_ranks():
+    # as torchrun would: a stop signal to this process goes to the ranks, which save and exit; a failed rank's error
+    with supervising_the_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)
 
 

@@ -129,12 +129,6 @@ class SafetyNet:
         keeps it), and where it is; (None, None) for a new run or --evaluate."""
         return checkpoints.recorded_precision(self.options)
 
-    @staticmethod
-    def stop_signals_passed_to_ranks():
-        """A context for a process that starts the ranks itself (mp.spawn): each stop signal it gets goes on to
-        the ranks, which save and exit, and it waits for them (a killed parent would orphan them)."""
-        return stopping.forwarded_to_children()
-
     def arm(self, env) -> None:
         """Every rank, once the process group exists (collective: makes the stop agreement's gloo group)."""
         self.env = env

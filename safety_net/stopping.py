@@ -30,7 +30,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -447,29 +446,3 @@ def requeue_slurm_job() -> str:
     if done.returncode:
         return f"SLURM job {job}: scontrol requeue failed ({(done.stderr or done.stdout).strip()[:160]})"
     return f"SLURM job {job} requeued: it continues from the checkpoint when it starts again"
-
-
-@contextlib.contextmanager
-def forwarded_to_children():
-    """In a process that starts the ranks itself (mp.spawn): pass each stop signal on to them and keep
-    waiting, so that the ranks save and exit before the parent does (a killed parent orphans them).
-    A rank still importing when the signal comes dies of it: then this says so and exits as it would."""
-    forwarded = []
-
-    def forward(signum, _frame):
-        forwarded.append(signum)
-        for child in multiprocessing.active_children():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child.pid, signum)
-    previous = {signum: signal.signal(signum, forward) for signum in SIGNALS}
-    try:
-        yield
-    except torch.multiprocessing.ProcessExitedException as error:
-        if not forwarded or error.exit_code != -forwarded[0]:
-            raise
-        print_line(f"stopped by {signal.Signals(forwarded[0]).name} while starting; nothing was trained, "
-                   "no checkpoint written", error=False)
-        sys.exit(128 + forwarded[0])
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)

@@ -1,4 +1,4 @@
-"""The three reductions over all ranks that metrics, progress and data checks need (no-ops in a world of one)."""
+"""The two reductions over all ranks that metrics, progress and data checks need (no-ops in a world of one)."""
 import torch
 import torch.distributed as dist
 
@@ -7,13 +7,6 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     """Sum over all ranks in place (a no-op in a world of one), and return it."""
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(tensor)
-    return tensor
-
-
-def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
-    """The maximum over all ranks in place (a no-op in a world of one), and return it."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return tensor
 
 

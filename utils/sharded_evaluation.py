@@ -3,8 +3,7 @@ must forward as many batches as the rank with the most (the unpadded shards diff
 import itertools
 
 import torch
-
-from utils import collectives
+import torch.distributed as dist
 
 
 class PaddedShard:
@@ -21,15 +20,17 @@ class PaddedShard:
         batches = iter(self.loader)
         first = next(batches, None)
         empty = _empty_batch(first, self.device)  # collective
-        most = int(collectives.all_reduce_max(torch.tensor([len(self.loader)], device=self.device)).item())
+        most = torch.tensor([len(self.loader)], device=self.device)
+        dist.all_reduce(most, op=dist.ReduceOp.MAX)  # every rank forwards as many batches as the rank with the most
         mine = itertools.chain([first] if first is not None else [], batches)
-        for _ in range(most):
+        for _ in range(int(most.item())):
             yield next(mine, empty)
 
 
 def _empty_batch(first, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of 0 images of the test set's image shape, which a rank with no images learns from the others."""
     shape = torch.tensor(first[0].shape[1:] if first is not None else [], dtype=torch.long)
-    shape = collectives.all_reduce_max(torch.nn.functional.pad(shape, (0, 8 - len(shape))).to(device))
+    shape = torch.nn.functional.pad(shape, (0, 8 - len(shape))).to(device)
+    dist.all_reduce(shape, op=dist.ReduceOp.MAX)
     dims = [d for d in shape.tolist() if d]
     return torch.empty(0, *dims, device=device), torch.empty(0, dtype=torch.long, device=device)

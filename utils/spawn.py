@@ -1,8 +1,10 @@
 """The spawn scripts' parent process: the flags it completes and checks before mp.spawn starts any rank
-(one line, not a hang, for a wrong value), and how it reports a rank that failed."""
+(one line, not a hang, for a wrong value), and how it watches the ranks: their stop signals, a rank that failed."""
 import contextlib
 import logging
+import multiprocessing
 import os
+import signal
 import socket
 import sys
 
@@ -10,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from utils import flags, launch
-from utils.errors import UsageError
+from utils.errors import UsageError, print_line
 
 
 def add_spawn_flags(parser: flags.Parser) -> None:
@@ -93,13 +95,31 @@ def default_nprocs(device_flag: str) -> int:
     return torch.cuda.device_count() if launch.resolve_device(device_flag) == "cuda" else 2
 
 
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)  # those the ranks stop on (safety_net/stopping.py)
+
+
 @contextlib.contextmanager
-def spawn_errors():
-    """mp.spawn stops the other processes when one fails; show that rank's error, not a wall."""
+def supervising_the_ranks():
+    """What torchrun's agent does for its workers, done by the spawn parent while mp.spawn runs the ranks: each stop
+    signal to this process goes on to the ranks, which save and exit, and this one waits for them (killed, it would
+    orphan them); mp.spawn stops the others when one fails, and that rank's error is shown, not a wall. A rank
+    still importing when a signal comes dies of it: then this says so and exits as that rank did."""
     logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)  # "Terminating process N"
+    forwarded = []
+
+    def forward(signum, _frame):
+        forwarded.append(signum)
+        for child in multiprocessing.active_children():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child.pid, signum)
+    previous = {signum: signal.signal(signum, forward) for signum in STOP_SIGNALS}
     try:
         yield
     except mp.ProcessExitedException as error:
+        if forwarded and error.exit_code == -forwarded[0]:  # the signal passed on killed a rank before it could stop
+            print_line(f"stopped by {signal.Signals(forwarded[0]).name} while starting; nothing was trained, "
+                       "no checkpoint written", error=False)
+            sys.exit(128 + forwarded[0])
         if error.exit_code < 0:  # killed by a signal it could not handle (SIGKILL, a crash): say which
             print(f"error: {error}", file=sys.stderr)
             sys.exit(1)
@@ -107,3 +127,6 @@ def spawn_errors():
     except mp.ProcessRaisedException as error:  # a rank raised: its traceback is in the message
         print(error, file=sys.stderr)
         sys.exit(1)
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
