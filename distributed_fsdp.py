@@ -5,9 +5,9 @@ weights (tests/test_fsdp.py); what changes is what a rank holds and communicates
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
+    torchrun --standalone --nproc_per_node=1 distributed_fsdp.py --units model   # one unit: a small model's fastest
     python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
 """
-import argparse
 import sys
 
 import torch
@@ -20,19 +20,15 @@ from torch.utils.data import DataLoader
 from safety_net import SafetyNet
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from speed import techniques
-from utils import data, flags, launch, metrics, models, precision
+from utils import data, flags, launch, metrics, models, precision, sharding
 from utils.errors import UsageError, exit_on_error
-from utils.sharded_evaluation import PaddedShard
+from utils.sharding import PaddedShard
 from utils.syncbn import CpuSyncBatchNorm
 
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    parser.add_argument_group("sharding").add_argument(  # shard() below
-        "--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
-        help="free each stage's gathered weights after its forward and gather them again for backward (least memory, "
-             "like ZeRO-3); --no-reshard-after-forward keeps them until backward (one all-gather fewer per stage and "
-             "step, like ZeRO-2)")
+    sharding.add_flags(parser)  # --units, --reshard-after-forward: the FSDP layout of shard() below
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
@@ -46,13 +42,14 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, autocast_dtype):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
         images = images.to(device, non_blocking=True)
         targets = targets.to(device, non_blocking=True)
-        loss = criterion(model(images), targets)
+        with torch.autocast(device.type, dtype=autocast_dtype, enabled=autocast_dtype is not None):  # --units model
+            loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # FSDP reduce-scatters the gradients, stage by stage: each rank gets the average of its shard
         optimizer.step()  # each rank updates its shard of the weights, with its shard of the momentum
@@ -60,9 +57,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety):
             return
 
 
-def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward: bool) -> nn.Module:
+def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward: bool, units: str = "stages"):
     """The model with 1/world_size of each parameter on each rank, as DTensors (every rank built the same
     weights from the same seed; fully_shard keeps its share of dim 0)."""
+    if units == "model":  # one unit: all weights gathered once a step, in float32 (the step's autocast casts them)
+        return fully_shard(model)
     # Mixed precision the FSDP way: forward and backward run on amp_dtype copies of the weights (gathered in
     # amp_dtype, half the bytes of float32); gradients are reduced in float32 into the float32 shards that
     # the optimizer updates. No autocast: each sharded module's inputs are cast, the logits cast back.
@@ -103,7 +102,8 @@ def train(args, env, safety) -> int:
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
-    model = shard(model, amp_dtype, args.reshard_after_forward)
+    model = shard(model, amp_dtype, args.reshard_after_forward, args.units)
+    autocast_dtype = amp_dtype if args.units == "model" else None  # else shard()'s policy casts, no autocast
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
         model.compile()
     criterion = nn.CrossEntropyLoss()
@@ -117,7 +117,7 @@ def train(args, env, safety) -> int:
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
-        safety.write_eval(metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device))
+        safety.write_eval(metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device, autocast_dtype))
         return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -126,12 +126,12 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, autocast_dtype)
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
-        results = metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device)
+        results = metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device, autocast_dtype)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()
         safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line

@@ -1,20 +1,27 @@
-"""FSDP on one process, where it has nothing to shard: distributed_fsdp.py's shard() against distributed.py's DDP,
-step by step in one process, and what the difference is made of (torch.profiler).
+"""FSDP on one process, where it has nothing to shard: distributed_fsdp.py's shard() and the candidate layouts of
+issue 49 against distributed.py's DDP, step by step in one process, and what the difference is made of.
 
+    python -m benchmarks.fsdp_profile --proxy --precision bfloat16      # the CPU stand-in for one GPU's host
     python -m benchmarks.fsdp_profile                                   # the CPU: per-rank batch 2, float32
-    python -m benchmarks.fsdp_profile --precision bfloat16              # the scripts' bfloat16 (autocast / policy)
     python -m benchmarks.fsdp_profile --device cuda --batch-size 256 --precision bfloat16   # one GPU
 
-Builds, in a world of one process (gloo on the CPU, NCCL on a GPU), the scripts' ResNet-18 three ways: wrapped
-in DDP as distributed.py does (under autocast for bfloat16, as distributed_apex.py), sharded by
-distributed_fsdp.py's shard() (its MixedPrecisionPolicy for bfloat16), and, for bfloat16, sharded the way
-shard() did before 2026-11-24, each BatchNorm layer a unit of its own. Their training steps run interleaved,
-so that the machine's noise hits all alike; the median of --steps is reported, with each one's ratio to DDP.
-Then --profile-steps steps of each run under torch.profiler, and the operators whose time per step grows the
-most from DDP to FSDP are listed: host time (on a GPU the host launches every kernel, and ResNet-18's kernels
-at 256 images are short, so the host bounds the step), and on a GPU the device's time too.
-On the CPU a small batch stands in for a GPU step: most of the step is then per-operator and per-unit
-overhead, not arithmetic, as on a GPU.
+Builds, in a world of one process (gloo on the CPU, NCCL on a GPU), the scripts' ResNet-18 in several layouts:
+wrapped in DDP as distributed.py does (under autocast for bfloat16, as distributed_apex.py), sharded by
+distributed_fsdp.py's shard() (its MixedPrecisionPolicy for bfloat16) with and without reshard after forward,
+and the candidates measured against it: the whole model one FSDP unit (with shard()'s policy, or under autocast
+as DDP), and the four stages and the root under autocast. Their training steps run interleaved, so that the
+machine's noise hits all alike; the median of --steps is reported, with each one's ratio to DDP, its extra time
+over DDP and the aten operators it dispatches per step. Then --profile-steps steps of DDP and shard() under
+torch.profiler, and the operators whose time per step grows the most from DDP to FSDP are listed: host time, and
+on a GPU the device's time too.
+
+On a GPU, ResNet-18's step at 256 images is bound by the host, which launches every kernel: there FSDP's extra
+time is host work (hooks, casts and copies per parameter, DTensor's dispatch), not arithmetic. --proxy measures
+that host work on the CPU: the same modules and parameters (62 tensors, 21 units' worth of hooks), every
+layer's channels divided by --thin (16: 64 -> 4), one image per step and one thread, so that the arithmetic
+vanishes and what is left is the per-operator and per-parameter work a GPU's host does; SGD runs its foreach
+kernels, as on a GPU (on the CPU torch's default is the for-loop). docs/sharding.md compares its figures with
+an H200's.
 """
 import contextlib
 import os
@@ -34,37 +41,71 @@ from utils import flags, launch, models
 from utils.data import NUM_CLASSES
 from utils.errors import exit_on_error
 
-DDP_KIND, FSDP_KIND, BEFORE_KIND = "DDP", "FSDP (shard())", "FSDP, a unit per BatchNorm (before)"
+DDP_KIND, FSDP_KIND = "DDP", "FSDP: shard()"
+LAYOUTS = {  # name: (how the model is wrapped, whether its step runs under autocast in bfloat16)
+    DDP_KIND: ("ddp", True),
+    FSDP_KIND: ("shard", False),
+    "FSDP: shard(), no reshard after forward": ("shard-no-reshard", False),
+    "FSDP: the model one unit, shard()'s policy": ("one-unit", False),
+    "FSDP: the model one unit, autocast": ("one-unit", True),
+    "FSDP: stages and root, autocast": ("stages", True),
+}
 
 
-def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.Module:
-    """shard() as it was before 2026-11-24: 20 BatchNorm units of their own (float32), then the stages and root."""
-    for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
-        fully_shard(norm, reshard_after_forward=False)
-    policy = dict(param_dtype=amp_dtype, reduce_dtype=torch.float32)
-    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
-        fully_shard(stage, mp_policy=MixedPrecisionPolicy(**policy))
-    return fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
+def thin(model: nn.Module, divisor: int) -> nn.Module:
+    """The same modules and parameters with every layer's channels divided by `divisor` (the input's 3 kept): the
+    proxy's model, whose arithmetic is negligible beside the per-operator work of its step."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, nn.Conv2d):
+                inputs = child.in_channels if child.in_channels == 3 else child.in_channels // divisor
+                setattr(module, name, nn.Conv2d(inputs, child.out_channels // divisor, child.kernel_size, child.stride,
+                                                child.padding, bias=child.bias is not None))
+            elif isinstance(child, nn.BatchNorm2d):
+                setattr(module, name, nn.BatchNorm2d(child.num_features // divisor))
+            elif isinstance(child, nn.Linear):
+                setattr(module, name, nn.Linear(child.in_features // divisor, child.out_features))
+    return model
 
 
-def build(kind: str, device: torch.device, amp_dtype: torch.dtype | None, reshard: bool) -> nn.Module:
+def build(kind: str, device: torch.device, amp_dtype: torch.dtype | None, divisor: int = 1) -> nn.Module:
     torch.manual_seed(0)
-    model = models.resnet18_cifar().to(device)
-    if kind == DDP_KIND:
+    model = models.resnet18_cifar()
+    model = (thin(model, divisor) if divisor > 1 else model).to(device)
+    wrap, autocast = LAYOUTS[kind]
+    if wrap == "ddp":
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if kind == BEFORE_KIND:
-        return shard_with_a_unit_per_norm(model, amp_dtype)
-    return distributed_fsdp.shard(model, amp_dtype, reshard)
+    if wrap in ("shard", "shard-no-reshard"):
+        return distributed_fsdp.shard(model, amp_dtype, reshard_after_forward=wrap == "shard")
+    if wrap == "stages":  # no policy: float32 weights gathered, the step under autocast as DDP's
+        for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+            fully_shard(stage)
+        return fully_shard(model)
+    # one unit: gathered once before forward, kept until backward is done (the root is never resharded early)
+    if autocast or amp_dtype is None:
+        return fully_shard(model)
+    norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    fully_shard(norms, reshard_after_forward=False)  # shard()'s float32 BatchNorm unit
+    policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32, output_dtype=torch.float32)
+    return fully_shard(model, mp_policy=policy)
 
 
 def step(kind, model, optimizer, images, targets, amp_dtype) -> None:
     # DDP computes under autocast (distributed_apex.py); FSDP's policy casts the weights itself (no autocast)
-    autocast = kind == DDP_KIND and amp_dtype is not None
+    autocast = LAYOUTS[kind][1] and amp_dtype is not None
     with torch.autocast(images.device.type, dtype=amp_dtype, enabled=autocast):
         loss = nn.functional.cross_entropy(model(images), targets)
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
     optimizer.step()
+
+
+def aten_ops_per_step(kind, model, optimizer, images, targets, amp_dtype, steps: int) -> float:
+    """The aten operators a step dispatches, nested ones included (torch.profiler's events), per step."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            step(kind, model, optimizer, images, targets, amp_dtype)
+    return sum(event.count for event in prof.key_averages() if event.key.startswith("aten::")) / steps
 
 
 def per_step_times(prof, steps: int) -> dict[str, tuple[float, float]]:
@@ -83,25 +124,34 @@ def main(argv=None):
     parser.add_argument("--precision", choices=["float32", "bfloat16"], default="float32",
                         help="float32, or bfloat16: DDP under autocast, FSDP with the scripts' bfloat16 policy")
     parser.add_argument("--batch-size", type=flags.positive_int, default=None,
-                        help="images per step; default: 256 on a GPU, 2 on the CPU (a GPU step's share of overhead)")
+                        help="images per step; default: 256 on a GPU, 2 on the CPU (a GPU step's share of overhead), "
+                             "1 with --proxy")
+    parser.add_argument("--proxy", action="store_true",
+                        help="the CPU stand-in for a GPU's host: channels divided by --thin, one thread, foreach SGD")
+    parser.add_argument("--thin", type=flags.positive_int, default=16, metavar="N",
+                        help="with --proxy: every layer's channels divided by N (a divisor of 64)")
     parser.add_argument("--steps", type=flags.positive_int, default=12, help="timed steps of each, interleaved")
     parser.add_argument("--profile-steps", type=flags.positive_int, default=3, help="profiled steps of each")
     parser.add_argument("--top", type=flags.positive_int, default=12, help="operators listed")
-    parser.add_argument("--no-reshard-after-forward", action="store_true", help="shard() without resharding")
     args = parser.parse_args(argv)
+    if args.proxy and (64 % args.thin or args.device == "cuda"):
+        parser.error("--proxy runs on the CPU (not --device cuda), with a --thin that divides 64")
     with exit_on_error():  # --device cuda without a GPU: one line, exit status 2
-        cuda = launch.resolve_device(args.device) == "cuda"
+        cuda = launch.resolve_device(args.device) == "cuda" and not args.proxy
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    batch = args.batch_size or (256 if cuda else 2)
+    batch = args.batch_size or (256 if cuda else 1 if args.proxy else 2)
+    if args.proxy:
+        torch.set_num_threads(1)
     amp_dtype = torch.bfloat16 if args.precision == "bfloat16" else None
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")  # a world of one meets only itself
     dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
     try:
-        kinds = [DDP_KIND, FSDP_KIND] + ([BEFORE_KIND] if amp_dtype else [])
-        built = {k: build(k, device, amp_dtype, not args.no_reshard_after_forward) for k in kinds}
-        optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        kinds = list(LAYOUTS)
+        built = {k: build(k, device, amp_dtype, args.thin if args.proxy else 1) for k in kinds}
+        kernel = {"foreach": True} if args.proxy else {}  # the proxy: a GPU's default kernel
+        optimizers = {k: torch.optim.SGD(m.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, **kernel)
                       for k, m in built.items()}
         g = torch.Generator().manual_seed(0)
         images = torch.randn(batch, 3, 32, 32, generator=g).to(device)
@@ -115,12 +165,16 @@ def main(argv=None):
                 synchronize(device)
                 if round_ >= 2:
                     times[kind].append(time.perf_counter() - started)
-        what = f"{device.type}, {args.precision}, batch {batch}, median of {args.steps} interleaved steps"
+        proxy = f", the proxy (channels / {args.thin}, 1 thread, foreach SGD)" if args.proxy else ""
+        what = f"{device.type}{proxy}, {args.precision}, batch {batch}, median of {args.steps} interleaved steps"
         print(f"{what}, torch {torch.__version__}")
         ddp_ms = statistics.median(times[DDP_KIND]) * 1000
         for kind in kinds:
             ms = statistics.median(times[kind]) * 1000
-            print(f"  {kind:38s} {ms:8.2f} ms per step   {ms / ddp_ms:.2f}x DDP")
+            ops = aten_ops_per_step(kind, built[kind], optimizers[kind], images, targets, amp_dtype,
+                                    args.profile_steps)
+            print(f"  {kind:44s} {ms:8.2f} ms per step  {ms - ddp_ms:+7.2f} ms  {ops:6.0f} aten ops  "
+                  f"{ms / ddp_ms:.2f}x DDP")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         profiled = {}
         for kind in (DDP_KIND, FSDP_KIND):

@@ -52,7 +52,8 @@ GRAPH_WAITS_JOB = [*JOB[:2], "--train-samples", "8192", "--test-samples", "512",
 BENCHMARK_ROWS = ["DDP + bfloat16, CUDA graphs, compiled", "tuned tutorial DDP loop + bfloat16 autocast",
                   "plain tutorial DDP loop + bfloat16 autocast", "bare step, compiled", "bare step, CUDA graphs",
                   "DDP + bfloat16, CUDA graphs", "DDP + bfloat16, all techniques", "DDP + bfloat16 autocast",
-                  "FSDP + bfloat16 policy", "FSDP (fully_shard)", "FSDP, no reshard after forward", "seed",
+                  "FSDP + bfloat16 policy", "FSDP + bfloat16 autocast, one unit", "FSDP (fully_shard)",
+                  "FSDP, no reshard after forward", "seed",
                   "DDP (spawn)", "peers", "others"]
 # distributed.py's few profiled steps on one GPU, for its timeline (benchmarks/timeline.py)
 TIMELINE_RUN = ["--dataset", "synthetic", "--train-samples", "8192", "--test-samples", "512", "--batch-size", "256",

@@ -122,6 +122,9 @@ def rows(device: str) -> list[Row]:
         Row("FSDP, no reshard after forward", "distributed_fsdp.py", "torchrun",
             ["--opt-level", "O0", "--no-reshard-after-forward"]),
         Row("FSDP + bfloat16 policy", "distributed_fsdp.py", "torchrun", ["--amp-dtype", "bfloat16"], amp="bfloat16"),
+        # the whole model one FSDP unit under bfloat16 autocast: a fraction of the stages' host time (docs/sharding.md)
+        Row("FSDP + bfloat16 autocast, one unit", "distributed_fsdp.py", "torchrun",
+            ["--units", "model", "--amp-dtype", "bfloat16"], amp="bfloat16"),
         Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
             ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
              "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),

@@ -16,7 +16,7 @@ from distributed_helpers import LossesKept, on_ranks
 from script_parts import sgd_with_cosine
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
@@ -68,7 +68,7 @@ def train_steps(model, optimizer, rank, world_size, steps: slice):
     """The script's train_one_epoch over the global batches batches()[steps], dealt rank::world_size as
     the sampler deals them."""
     shard = [(x[rank::world_size], y[rank::world_size]) for x, y in batches()[steps]]
-    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), LossesKept())
+    script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), LossesKept(), None)
 
 
 def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False):
@@ -88,14 +88,17 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
 
 
 def on_every_world_size(rank, world_size, output_dir):
-    """At this world size: three steps of DDP, then of FSDP, from the same weights on the same batches;
-    then one step of the run continued in output_dir."""
+    """At this world size: three steps of DDP, then of FSDP in each layout (--units stages and model), from the same
+    weights on the same batches; then one step of the run continued in output_dir."""
     results = {}
-    for name in ("ddp", "fsdp"):
-        model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, reshard_after_forward=True)
+    for name in ("ddp", "fsdp", "fsdp, one unit"):
+        units = "model" if name == "fsdp, one unit" else "stages"
+        model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, True, units)
         optimizer, _ = sgd_with_cosine(model, run_args())
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = full_state(model)
+        if name == "fsdp, one unit":  # one unit holds 1/N of each weight as the stages do
+            results["one_unit_local_rows"] = model.conv1.weight.to_local().shape[0]
         if name == "fsdp":
             results["fsdp_local_rows"] = model.conv1.weight.to_local().shape[0]
             # buffers are not sharded: each rank's own running statistics, before any checkpoint broadcasts them
@@ -117,11 +120,13 @@ def test_fsdp_trains_the_weights_of_ddp(world_size, float64_runs):
     ranks = float64_runs[world_size]
     assert sum(r["fsdp_local_rows"] for r in ranks) == 64  # conv1's 64 output channels, split over the ranks
     assert all(r["fsdp_local_rows"] < 64 for r in ranks)
+    assert [r["one_unit_local_rows"] for r in ranks] == [r["fsdp_local_rows"] for r in ranks]
     ddp = ranks[0]["ddp"]
     assert (ddp["conv1.weight"] - fresh_model().conv1.weight).abs().max() > 1e-3  # 3 steps at lr 0.1 moved it
     for r in ranks:
         for key, expected in ddp.items():
             torch.testing.assert_close(r["fsdp"][key], expected, rtol=1e-12, atol=1e-14, msg=key)
+            torch.testing.assert_close(r["fsdp, one unit"][key], expected, rtol=1e-12, atol=1e-14, msg=key)
         # SyncBatchNorm keeps each rank's running statistics equal to the others' (and to DDP's)
         for key, buffer in r["fsdp_own_buffers"].items():
             torch.testing.assert_close(buffer, ranks[0]["fsdp_own_buffers"][key], rtol=0, atol=0, msg=key)
@@ -201,10 +206,19 @@ def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tm
     assert checkpoint.load(str(tmp_path / "checkpoint.dcp"))["epoch"] == 1
 
 
+def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.Module:
+    """shard() as it was before 2026-11-24: 20 BatchNorm units of their own (float32), then the stages and root."""
+    for norm in [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]:
+        fully_shard(norm, reshard_after_forward=False)
+    policy = dict(param_dtype=amp_dtype, reduce_dtype=torch.float32)
+    for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
+        fully_shard(stage, mp_policy=MixedPrecisionPolicy(**policy))
+    return fully_shard(model, mp_policy=MixedPrecisionPolicy(**policy, output_dtype=torch.float32))
+
+
 def bfloat16_layouts(rank, world_size):
     """Three bfloat16 steps of the script's shard() and of the layout before it (a unit per BatchNorm layer), the
     same data on each: the collectives of the second step of each, and the weights each ends with."""
-    from benchmarks.fsdp_profile import shard_with_a_unit_per_norm
     from benchmarks.sharding import CountedCollectives
     out = {}
     for name, shard in (("shard", lambda m: script.shard(m, torch.bfloat16, True)),

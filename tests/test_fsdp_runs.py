@@ -128,6 +128,8 @@ def test_a_diverging_run_stops_with_one_line_and_keeps_the_last_finite_shards(tm
     (["--amp-dtype", "float16"], "invalid choice: 'float16'"),
     (["--comm-hook", "fp16"], "unrecognized arguments: --comm-hook"),
     (["--opt-level", "O0", "--amp-dtype", "bfloat16"], "needs mixed precision"),
+    (["--units", "model", "--no-reshard-after-forward"], "--no-reshard-after-forward is for --units stages"),
+    (["--units", "layers"], "invalid choice: 'layers'"),
 ])
 def test_bad_flags_are_one_line(argv, says, capsys):
     import distributed_fsdp
@@ -156,3 +158,19 @@ def test_init_from_a_sharded_checkpoint_starts_a_new_run_from_its_weights(refere
     for key, tensor in expected.items():  # at --lr 0 only BatchNorm's running statistics move
         if "running" not in key and "num_batches" not in key:
             assert torch.equal(got[key], tensor), key
+
+
+@pytest.mark.slow
+def test_the_one_unit_layout_trains_in_bfloat16_and_its_shards_evaluate_in_the_stage_layout(tmp_path):
+    """--units model: the whole model one FSDP unit, the step under bfloat16 autocast, trains under torchrun; its
+    sharded checkpoint holds the same keys as the stage layout's, whose --evaluate on one process reads it and counts
+    every test image, near the loss the training run measured (the two layouts cast in different places)."""
+    check(run(launcher("torchrun", "distributed_fsdp.py") + RUN[:-2] + [
+        "--units", "model", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]))
+    (trained,) = read_metrics(tmp_path)
+    assert checkpoint.load(str(tmp_path / "checkpoint.dcp"))["resolved"]["precision"] == "bfloat16"
+    check(run(launcher("python", "distributed_fsdp.py") + RUN[:-2] + [
+        "--amp-dtype", "bfloat16", "--evaluate", "--output-dir", str(tmp_path)]))
+    evaluated = json.loads((tmp_path / "eval.json").read_text())
+    assert evaluated["samples"] == 16 and trained["samples"] == 16
+    assert evaluated["test_loss"] == pytest.approx(trained["test_loss"], rel=0.05), (evaluated, trained)

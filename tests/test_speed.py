@@ -9,6 +9,7 @@ import torch
 from script_runs import TINY, check, launcher, load_checkpoint, read_metrics, run, run_main
 
 from speed import techniques
+from utils import models
 
 LIVE_RECOVERY = "DDP, live recovery (torchft, a replica group per process)"
 
@@ -466,17 +467,25 @@ def test_worker_start_benchmark_times_both_loaders_in_a_spawned_rank():
 
 @pytest.mark.slow
 def test_fsdp_profile_compares_the_layouts_and_lists_what_grows():
-    """One timed and one profiled step of each model: the plumbing of benchmarks.fsdp_profile, not a speed."""
-    result = check(run([sys.executable, "-m", "benchmarks.fsdp_profile", "--precision", "bfloat16", "--steps", "1",
-                        "--profile-steps", "1", "--top", "3"]))
+    """One timed and one profiled step of each layout on the CPU proxy (the thin model, one thread): the plumbing of
+    benchmarks.fsdp_profile, not a speed. Each layout dispatches aten operators; the proxy keeps all 62 parameters."""
+    from benchmarks import fsdp_profile
+    result = check(run([sys.executable, "-m", "benchmarks.fsdp_profile", "--proxy", "--precision", "bfloat16",
+                        "--steps", "1", "--profile-steps", "1", "--top", "3"]))
     lines = result.stdout.splitlines()
-    rows = [line.split()[0:3] for line in lines if line.endswith("x DDP")]
-    assert [row[0] for row in rows] == ["DDP", "FSDP", "FSDP,"] and "1.00x DDP" in lines[1], result.stdout
+    rows = [line for line in lines if line.endswith("x DDP")]
+    assert [row[:44].strip() for row in rows] == list(fsdp_profile.LAYOUTS) and "1.00x DDP" in rows[0], result.stdout
+    assert all(int(row.split(" aten ops")[0].split()[-1]) > 100 for row in rows), result.stdout
+    assert "the proxy (channels / 16, 1 thread, foreach SGD)" in lines[0], result.stdout
     listed = lines[lines.index(next(line for line in lines if line.startswith("operators whose"))) + 1:]
     assert len([line for line in listed if " -> " in line]) == 3, result.stdout
+    thin = fsdp_profile.thin(models.resnet18_cifar(), 16)
+    assert len(list(thin.parameters())) == len(list(models.resnet18_cifar().parameters())) == 62
+    assert thin.layer4[1].conv2.weight.shape == (32, 32, 3, 3) and thin.fc.weight.shape == (100, 32)
 
 
-@pytest.mark.parametrize("argv", [["--steps", "0"], ["--precision", "float16"], ["--device", "cuda"]])
+@pytest.mark.parametrize("argv", [["--steps", "0"], ["--precision", "float16"], ["--device", "cuda"],
+                                  ["--proxy", "--thin", "3"], ["--proxy", "--device", "cuda"]])
 def test_fsdp_profile_bad_input_is_one_line(argv, capsys):
     """Refused before its process group of one forms: main(argv) in this process, as python -m runs it."""
     if argv == ["--device", "cuda"] and torch.cuda.is_available():

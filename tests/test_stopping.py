@@ -371,8 +371,8 @@ def test_evaluation_gives_way_to_a_signal_on_one_rank_and_all_ranks_agree(signal
     assert results == ([(12, True, "SIGUSR1")] * 2 if signalled else [(24, False, "")] * 2)
 
 
-def test_a_sharded_evaluation_cannot_be_cut_short_on_one_rank():
-    from utils.sharded_evaluation import PaddedShard
+def test_a_sharding_cannot_be_cut_short_on_one_rank():
+    from utils.sharding import PaddedShard
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 5))
     with pytest.raises(ValueError, match="sharded"):
         metrics.evaluate(model, PaddedShard([], torch.device("cpu")), torch.device("cpu"), stop=lambda: False)
