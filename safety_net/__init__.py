@@ -228,8 +228,9 @@ class SafetyNet:
                         "world_size": self.env.world_size})
 
     def save(self, epochs_done: int) -> None:
-        """Every rank (collectives: the weights checked finite on every rank, rank 0's write agreed): the
-        checkpoint after `epochs_done` epochs; weights that are not finite stop the run and overwrite nothing."""
+        """Every rank (collectives: the weights checked finite on every rank, a ZeroRedundancyOptimizer's state
+        gathered on rank 0, rank 0's write agreed): the checkpoint after `epochs_done` epochs; weights that are not
+        finite stop the run and overwrite nothing."""
         self.checkpoint.save(epoch=epochs_done)
 
     def finish(self) -> int:

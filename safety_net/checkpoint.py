@@ -1,8 +1,9 @@
 """A run's checkpoints in <output-dir>: written atomically by rank 0, the newest --keep of them kept, read
 with weights_only=True; and the lock that lets one run at a time use an output directory.
 
-A checkpoint holds the weights (without DDP's "module." prefix), optimizer, scheduler and, where there
-is one, the GradScaler, with the epoch and step reached, the flags that define the run, and what the run
+A checkpoint holds the weights (without DDP's "module." prefix), optimizer (distributed_zero.py's
+ZeroRedundancyOptimizer: its shards gathered on rank 0 first, so any world size can resume it), scheduler and,
+where there is one, the GradScaler, with the epoch and step reached, the flags that define the run, and what the run
 resolved them to (the precision it trained in, the optimizer's implementation). It holds no RNG state
 because none is needed: the data order and the augmentation are functions of (--seed, epoch, index)
 (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
@@ -26,6 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from safety_net.stop_errors import Diverged, StorageError
@@ -514,13 +516,17 @@ class Checkpoint:
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
         """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are
-        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; then
-        rank 0 writes, and a failed write raises StorageError on every rank."""
+        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; a
+        ZeroRedundancyOptimizer's shards of the state are gathered on rank 0 (a collective); then rank 0
+        writes, and a failed write raises StorageError on every rank."""
         weights = unwrap(self.parts["model"]).state_dict()
         floats = [t for t in weights.values() if t.is_floating_point()]
         if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
                            f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
+        optimizer = self.parts.get("optimizer")
+        if isinstance(optimizer, ZeroRedundancyOptimizer):  # distributed_zero.py: each rank holds part of the state;
+            optimizer.consolidate_state_dict(to=0)  # every rank sends rank 0 its part (on rank 0 alone: a hang)
         error = None
         if self.env.is_main:
             try:

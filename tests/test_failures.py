@@ -38,6 +38,7 @@ RUNS = [  # (program, arguments, extra environment): every program both ways, an
     ("gradient_accumulation.py", (), {}), ("gradient_accumulation.py", ("--fixed",), {}),
     ("every_rank_saves.py", (), {}), ("every_rank_saves.py", ("--fixed",), {}),
     ("port_in_use.py", (), {}), ("port_in_use.py", ("--fixed",), {}),
+    ("zero_state_dict_on_rank0.py", (), {}), ("zero_state_dict_on_rank0.py", ("--fixed",), {}),
 ]
 # gloo's 5 s timeout in the words of the rank whose own timeout fired first: the other rank may only see the pair
 # it shared closed ("Connection closed by peer"), so which of the two appears depends on the race between them
@@ -255,6 +256,21 @@ def test_a_port_in_use_is_refused_and_a_free_port_works(ran):
     assert broken.returncode == 1 and "EADDRINUSE" in broken.output and "address already in use" in broken.output
     assert fixed.returncode == 0, fixed.output
     assert "rank 0 of 2: joined the process group" in fixed.output and "rank 1 of 2: joined" in fixed.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(RUNS_TIMEOUT)
+def test_zero1_state_consolidated_on_rank0_alone_hangs_and_every_rank_consolidating_saves_it_whole(ran):
+    broken, fixed = ran("zero_state_dict_on_rank0.py"), ran("zero_state_dict_on_rank0.py", "--fixed")
+    assert broken.returncode == 1 and any(words in broken.output for words in TIMED_OUT), broken.output
+    assert broken.seconds > 5 and "checkpoint 0" not in broken.output
+    assert re.search(r"rank 0 still waiting after 3 s, .*\(optimizer.consolidate_state_dict\(to=0\).*in broadcast\(\)",
+                     broken.output), broken.output
+    assert re.search(r"rank 1 still waiting after 3 s, .*\(dist.barrier\(\).*in barrier\(\)", broken.output)
+    assert fixed.returncode == 0 and "rank 0: done" in fixed.output and "rank 1: done" in fixed.output, fixed.output
+    assert fixed.output.count("the momentum of 4 of 4 parameters") == 3  # each checkpoint holds the whole state
+    held = [int(n) for n in re.findall(r"rank \d: step 0, holds the momentum of (\d) of 4", fixed.output)]
+    assert sorted(held) == [1, 3], fixed.output  # whole parameters dealt to the ranks, each held once
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
