@@ -5,7 +5,7 @@ weights (tests/test_fsdp.py); what changes is what a rank holds and communicates
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
-    torchrun --standalone --nproc_per_node=1 distributed_fsdp.py --units model   # one unit: a small model's fastest
+    torchrun --nnodes=2 --nproc_per_node=8 ... distributed_fsdp.py --replicas 2  # HSDP: shard in each machine
     python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
 """
 import sys
@@ -28,7 +28,7 @@ from utils.syncbn import CpuSyncBatchNorm
 
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
-    sharding.add_flags(parser)  # --units, --reshard-after-forward: the FSDP layout of shard() below
+    sharding.add_flags(parser)  # --units, --reshard-after-forward, --replicas: the layout of shard() below
     precision.add_flags(parser, float16=False)  # --opt-level, --amp-dtype: the mixed precision policy below
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
@@ -57,25 +57,25 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, autocas
             return
 
 
-def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard_after_forward: bool, units: str = "stages"):
+def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard: bool, units: str = "stages", mesh=None):
     """The model with 1/world_size of each parameter on each rank, as DTensors (every rank built the same
-    weights from the same seed; fully_shard keeps its share of dim 0)."""
+    weights from the same seed; fully_shard keeps its share of dim 0); with HSDP's 2-D `mesh`, 1/(world/R)."""
     if units == "model":  # one unit: all weights gathered once a step, in float32 (the step's autocast casts them)
-        return fully_shard(model)
+        return fully_shard(model, mesh=mesh)
     # Mixed precision the FSDP way: forward and backward run on amp_dtype copies of the weights (gathered in
     # amp_dtype, half the bytes of float32); gradients are reduced in float32 into the float32 shards that
     # the optimizer updates. No autocast: each sharded module's inputs are cast, the logits cast back.
     policy = dict(param_dtype=amp_dtype, reduce_dtype=torch.float32 if amp_dtype else None)
     if amp_dtype:  # BatchNorm stays float32, as under autocast (its statistics are float32): all of it one unit
         norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
-        fully_shard(norms, reshard_after_forward=False)  # float32 policy; 38 KB, one all-gather a step, kept
+        fully_shard(norms, mesh=mesh, reshard_after_forward=False)  # float32 policy; 38 KB, one all-gather a step
     # each residual stage one unit: gathered for its forward, freed after it (reshard_after_forward) and
     # gathered again for its backward, its gradients then reduce-scattered
     for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
-        fully_shard(stage, mp_policy=MixedPrecisionPolicy(**policy), reshard_after_forward=reshard_after_forward)
+        fully_shard(stage, mesh=mesh, mp_policy=MixedPrecisionPolicy(**policy), reshard_after_forward=reshard)
     # the root unit holds the rest (stem, fc), and gives the logits back in float32 for the loss
     root = MixedPrecisionPolicy(**policy, output_dtype=torch.float32 if amp_dtype else None)
-    return fully_shard(model, mp_policy=root, reshard_after_forward=reshard_after_forward)
+    return fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard)
 
 
 def train(args, env, safety) -> int:
@@ -102,7 +102,7 @@ def train(args, env, safety) -> int:
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
-    model = shard(model, amp_dtype, args.reshard_after_forward, args.units)
+    model = shard(model, amp_dtype, args.reshard_after_forward, args.units, sharding.hsdp_mesh(env, args.replicas))
     autocast_dtype = amp_dtype if args.units == "model" else None  # else shard()'s policy casts, no autocast
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
         model.compile()

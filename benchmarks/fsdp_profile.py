@@ -76,7 +76,7 @@ def build(kind: str, device: torch.device, amp_dtype: torch.dtype | None, diviso
     if wrap == "ddp":
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if wrap in ("shard", "shard-no-reshard"):
-        return distributed_fsdp.shard(model, amp_dtype, reshard_after_forward=wrap == "shard")
+        return distributed_fsdp.shard(model, amp_dtype, reshard=wrap == "shard")
     if wrap == "stages":  # no policy: float32 weights gathered, the step under autocast as DDP's
         for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
             fully_shard(stage)

@@ -78,7 +78,7 @@ def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     reshard = strategy == "FSDP"
     if isinstance(model, torchvision.models.ResNet):
         import distributed_fsdp
-        return distributed_fsdp.shard(model, None, reshard_after_forward=reshard)
+        return distributed_fsdp.shard(model, None, reshard=reshard)
     for block in model.encoder.layers:  # a ViT: each encoder block one unit
         fully_shard(block, reshard_after_forward=reshard)
     return fully_shard(model, reshard_after_forward=reshard)

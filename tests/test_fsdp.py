@@ -24,7 +24,8 @@ from safety_net import checkpoint
 from safety_net.checkpoint import Options
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from safety_net.stop_errors import StorageError
-from utils import models
+from utils import models, sharding
+from utils.errors import UsageError
 from utils.launch import Env
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -71,10 +72,11 @@ def train_steps(model, optimizer, rank, world_size, steps: slice):
     script.train_one_epoch(model, nn.CrossEntropyLoss(), optimizer, shard, torch.device("cpu"), LossesKept(), None)
 
 
-def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False):
+def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False, replicas=1):
     """Resume the run in output_dir at this world size (a new run if none), train one step, save (and
-    see what the bfloat16 policy computes in: one process start fewer)."""
-    model = script.shard(fresh_model(), None, reshard_after_forward=True)
+    see what the bfloat16 policy computes in: one process start fewer). replicas > 1: HSDP, as --replicas."""
+    mesh = sharding.hsdp_mesh(env_of(rank, world_size), replicas)
+    model = script.shard(fresh_model(), None, reshard=True, mesh=mesh)
     args = run_args(output_dir)
     optimizer, scheduler = sgd_with_cosine(model, args)
     checkpoint = ShardedCheckpoint(Options.from_flags(args, sharded=True), env_of(rank, world_size),
@@ -83,7 +85,10 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)
     momentum = optimizer.state_dict()["state"][0]["momentum_buffer"]  # conv1's
+    momentum_bytes = sum(t.to_local().numel() * t.element_size() for state in optimizer.state.values()
+                         for t in state.values() if isinstance(t, torch.Tensor))
     return {"resumed_at": (epoch, step), "state": full_state(model), "momentum_rows": momentum.to_local().shape[0],
+            "momentum_bytes": momentum_bytes,
             "bfloat16_policy": mixed_precision_dtypes() if and_the_bfloat16_policy else None}
 
 
@@ -112,6 +117,61 @@ def float64_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp-float64")
     return {n: on_ranks(n, on_every_world_size, str(out / "run"), results_dir=out / str(n)) for n in (2, 3)} | {
         1: on_ranks(1, continue_sharded, str(out / "run"), True, results_dir=out / "1"), "dir": out / "run"}
+
+
+def hsdp_against_ddp(rank, world_size, output_dir):
+    """On 4 ranks: three steps of DDP, then of HSDP on a 2 x 2 mesh (--replicas 2); then one step of the run in
+    output_dir continued as HSDP."""
+    results = {}
+    for name in ("ddp", "hsdp"):
+        mesh = sharding.hsdp_mesh(env_of(rank, world_size), 2)
+        model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, True, mesh=mesh)
+        optimizer, _ = sgd_with_cosine(model, run_args())
+        train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
+        results[name] = full_state(model)
+    return {**results, "continued": continue_sharded(rank, world_size, output_dir, replicas=2)}
+
+
+@pytest.fixture(scope="module")
+def hsdp_runs(tmp_path_factory):
+    """{world size: each rank's results}: a run in one directory continued as FSDP on 2 ranks, HSDP on 4 (2 x 2),
+    FSDP on 1; on the 4 ranks, HSDP against DDP first."""
+    out = tmp_path_factory.mktemp("hsdp")
+    chain = ((2, continue_sharded), (4, hsdp_against_ddp), (1, continue_sharded))
+    return {n: on_ranks(n, fn, str(out / "run"), results_dir=out / str(n)) for n, fn in chain}
+
+
+@pytest.mark.slow  # processes on 1, 2 and 4 ranks, float64
+def test_hsdp_trains_the_weights_of_ddp_and_each_rank_holds_half_the_state_on_a_2x2_mesh(hsdp_runs):
+    """HSDP on 4 ranks in 2 groups of 2: every weight and buffer as DDP's; each rank holds the shard of its group's
+    2 (conv1's 32 of 64 rows, half the momentum), the rank of the same place in the other group the same one."""
+    ranks = hsdp_runs[4]
+    for r in ranks:
+        for key, expected in ranks[0]["ddp"].items():
+            torch.testing.assert_close(r["hsdp"][key], expected, rtol=1e-12, atol=1e-14, msg=key)
+    (alone,) = [r["momentum_bytes"] for r in hsdp_runs[1]]
+    assert alone == 8 * sum(p.numel() for p in models.resnet18_cifar().parameters())  # float64 momentum
+    assert [r["continued"]["momentum_rows"] for r in ranks] == [32] * 4
+    assert [r["continued"]["momentum_bytes"] for r in ranks] == [alone // 2] * 4
+    assert [r["momentum_bytes"] for r in hsdp_runs[2]] == [alone // 2] * 2  # FSDP on 2 ranks: the same halves
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_moves_between_fsdp_and_hsdp(hsdp_runs):
+    """One step as FSDP on 2 ranks, the next as HSDP on 4 (2 x 2), the last as FSDP on 1, each resumed from the
+    sharded checkpoint of the one before: the weights of DDP's three steps on 4 ranks."""
+    assert [r["resumed_at"] for r in hsdp_runs[2]] == [(0, 0)] * 2
+    assert [r["continued"]["resumed_at"] for r in hsdp_runs[4]] == [(0, 1)] * 4
+    (one,) = hsdp_runs[1]
+    assert one["resumed_at"] == (0, 2)
+    for key, tensor in hsdp_runs[4][0]["ddp"].items():
+        rtol = 1e-7 if key.endswith("running_var") else 1e-9  # SyncBatchNorm's E[x^2] - mean^2 against one pass
+        torch.testing.assert_close(one["state"][key], tensor, rtol=rtol, atol=1e-12, msg=key)
+
+
+def test_a_replica_count_that_does_not_divide_the_ranks_is_one_line():
+    with pytest.raises(UsageError, match=r"--replicas 3 cannot split 4 ranks into equal groups"):
+        sharding.hsdp_mesh(env_of(0, 4), 3)
 
 
 @pytest.mark.slow  # processes on 2 and 3 ranks, float64

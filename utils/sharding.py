@@ -6,10 +6,15 @@ import itertools
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from utils import flags
+from utils.errors import UsageError
 
 
 def add_flags(parser) -> None:
-    """--units and --reshard-after-forward, in the group "sharding": how shard() lays the model out in FSDP units."""
+    """--units, --reshard-after-forward and --replicas, in the group "sharding": how shard() lays the model out in
+    FSDP units, and over which ranks (hsdp_mesh)."""
     sharding = parser.add_argument_group("sharding")
     sharding.add_argument("--units", choices=["stages", "model"], default="stages",
                           help="stages: each residual stage and the root a unit, gathered in turn (least memory: "
@@ -20,7 +25,24 @@ def add_flags(parser) -> None:
                           help="with --units stages: free each stage's gathered weights after its forward and gather "
                                "them again for backward (least memory, like ZeRO-3); --no-reshard-after-forward keeps "
                                "them until backward (one all-gather fewer per stage and step, like ZeRO-2)")
+    sharding.add_argument("--replicas", type=flags.positive_int, default=1, metavar="R",
+                          help="HSDP: the ranks in R groups, each sharding the model over its own ranks, the groups "
+                               "replicas of one another (a 2-D DeviceMesh, R x world/R); R = the number of machines "
+                               "shards inside each machine and all-reduces across them; 1: every rank shards (FSDP)")
     parser.checks.append(_reshard_needs_stages)
+
+
+def hsdp_mesh(env, replicas: int) -> DeviceMesh | None:
+    """None for --replicas 1 (fully_shard shards over every rank); else HSDP's 2-D mesh (collective: it makes a
+    process group per row and per column): R groups of world/R consecutive ranks, each group one replica that
+    shards the model over its ranks ("shard"), rank k of every group holding the same shard ("replicate")."""
+    if replicas == 1:
+        return None
+    if env.world_size % replicas:
+        raise UsageError(f"--replicas {replicas} cannot split {env.world_size} ranks into equal groups; give a "
+                         "divisor of the world size (the number of machines, say)")
+    return init_device_mesh(env.device.type, (replicas, env.world_size // replicas),
+                            mesh_dim_names=("replicate", "shard"))
 
 
 def _reshard_needs_stages(args) -> str | None:
