@@ -1,4 +1,4 @@
-"""What a rank holds and what it waits for, DDP against FSDP, at several world sizes and model sizes.
+"""What a rank holds and what it waits for on each rung of the sharding ladder, at several world sizes and model sizes.
 
     python -m benchmarks.sharding --quick     # ResNet-18 at 1, 2, 4 ranks, then ResNet-50 and ViT-B/4 at 2
     python -m benchmarks.sharding --models resnet18,resnet50,vit_b4 --ranks 1,2,4
@@ -12,9 +12,12 @@ trains a few steps of synthetic 32x32 images and counts, on rank 0:
 - the collectives of one training step and their bytes, counted by wrapping torch.distributed's calls;
 - the median time per step of the timed steps, as seconds per 50,000-image epoch.
 
-DDP is distributed.py's (SyncBatchNorm, DDP); FSDP is distributed_fsdp.py's shard(), with reshard after
-forward (ZeRO-3-like) and without (ZeRO-2-like); ViT-B/4 is torchvision's VisionTransformer with a patch
-of 4 for 32x32 images (64 tokens), sharded per encoder block. Writes <output-dir>/sharding.md and .json.
+The rungs, each holding less per rank than the one before: DDP is distributed.py's (SyncBatchNorm, DDP); ZeRO-1 is
+distributed_zero.py's (DDP, its SGD in a ZeroRedundancyOptimizer: the optimizer state sharded); FSDP is
+distributed_fsdp.py's shard(), without reshard after forward (ZeRO-2-like) and with it (ZeRO-3-like); HSDP is
+shard() on its 2-D mesh of 2 replicas (--replicas 2), at even world sizes of 4 and more. ViT-B/4 is torchvision's
+VisionTransformer with a patch of 4 for 32x32 images (64 tokens), sharded per encoder block. Writes
+<output-dir>/sharding.md and .json.
 """
 import argparse
 import contextlib
@@ -35,7 +38,9 @@ import torch.multiprocessing as mp
 import torchvision
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -44,7 +49,7 @@ from utils.spawn import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
 EPOCH_IMAGES = 50_000
-STRATEGIES = ("DDP", "FSDP", "FSDP, no reshard after forward")
+STRATEGIES = ("DDP", "ZeRO-1", "FSDP, no reshard after forward", "FSDP", "HSDP")  # the ladder, rung by rung
 # torch.distributed's names (FSDP2 calls the *_single ones since torch 2.10 or so, *_tensor before)
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast")
@@ -71,17 +76,28 @@ def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     built-in path), which calls dist.all_reduce, so that the count here sees its all-reduces."""
     sync_bn = nn.SyncBatchNorm if device.type == "cuda" else CpuSyncBatchNorm
     model = sync_bn.convert_sync_batchnorm(model).to(device)
-    if strategy == "DDP":
+    if strategy in ("DDP", "ZeRO-1"):  # ZeRO-1 differs in its optimizer only (make_optimizer)
         model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         return model
-    reshard = strategy == "FSDP"
+    reshard = strategy != "FSDP, no reshard after forward"
+    world = dist.get_world_size()  # HSDP: 2 replicas, each sharded over half the ranks
+    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard")) \
+        if strategy == "HSDP" else None
     if isinstance(model, torchvision.models.ResNet):
         import distributed_fsdp
-        return distributed_fsdp.shard(model, None, reshard=reshard)
+        return distributed_fsdp.shard(model, None, reshard=reshard, mesh=mesh)
     for block in model.encoder.layers:  # a ViT: each encoder block one unit
-        fully_shard(block, reshard_after_forward=reshard)
-    return fully_shard(model, reshard_after_forward=reshard)
+        fully_shard(block, reshard_after_forward=reshard, mesh=mesh)
+    return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
+
+
+def make_optimizer(model: nn.Module, strategy: str) -> torch.optim.Optimizer:
+    """The scripts' SGD; ZeRO-1's is distributed_zero.py's, each rank's SGD over its share of the parameters."""
+    settings = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
+    if strategy == "ZeRO-1":
+        return ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, **settings)
+    return torch.optim.SGD(model.parameters(), **settings)
 
 
 def local_bytes(tensors) -> int:
@@ -130,7 +146,7 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
                             rank=rank, world_size=world_size)
     try:
         model = wrap(build(config["model"]), config["strategy"], device)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
+        optimizer = make_optimizer(model, config["strategy"])
         g = torch.Generator().manual_seed(rank)
         images = torch.randn(config["batch_size"], 3, 32, 32, generator=g).to(device)
         targets = torch.randint(0, 100, (config["batch_size"],), generator=g).to(device)
@@ -153,8 +169,9 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
             "parameters": sum(p.numel() for p in params),
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
-            "optimizer_bytes": local_bytes(t for state in optimizer.state.values() for t in state.values()
-                                           if isinstance(t, torch.Tensor)),
+            # ZeRO-1: the state of this rank's own SGD, over its share of the parameters
+            "optimizer_bytes": local_bytes(t for state in getattr(optimizer, "optim", optimizer).state.values()
+                                           for t in state.values() if isinstance(t, torch.Tensor)),
             "peak_memory_mb": peak_memory_mb(device),
             "step_s": statistics.median(times),
             "collectives": counted.calls, "collective_bytes": counted.bytes,
@@ -224,7 +241,7 @@ def main(argv=None):
         parser.error(f"--ranks {max(ranks)} needs as many GPUs; {torch.cuda.device_count()} visible")
     steps = 3 if args.quick else args.steps
     plan = [(m, s, n) for m in model_names for n in (ranks if m == "resnet18" or not args.quick else [2])
-            for s in STRATEGIES]
+            for s in STRATEGIES if s != "HSDP" or n >= 4 and n % 2 == 0]
     results = []
     for i, (model, strategy, n) in enumerate(plan, 1):
         started = time.perf_counter()
