@@ -376,36 +376,44 @@ EVERY_SCRIPT = {
     "distributed_apex": ("spawn", "distributed_apex.py", []),
     "distributed_gradient_accumulation": ("spawn", "distributed_gradient_accumulation.py",
                                           ["--grad-accu-steps", "2", "--no-sync-bn"]),
+    "distributed_zero": ("torchrun", "distributed_zero.py", []),
     "distributed_fsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0"]),
+    "distributed_fsdp_hsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0", "--replicas", "2"]),
     "distributed_live_recovery": ("replica groups", "distributed_live_recovery.py", []),
 }
-# 4 steps of a global batch of 16 (8 per rank): 2 of warm-up, then the 2 recorded
+RANKS = {"distributed_fsdp_hsdp": 4}  # HSDP's 2 x 2 mesh; every other picture has 2 ranks
+# 4 steps of a global batch of 16 (8 per rank; 4 on HSDP's 4 ranks): 2 of warm-up, then the 2 recorded
 EVERY_SCRIPT_FLAGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "64", "--test-samples", "16",
                       "--batch-size", "16", "--epochs", "1", "--workers", "0", "--print-freq", "1000",
                       "--profile-steps", "2"]
 
 
-def draw_every_script(folder: Path, runs: Path) -> None:
-    """Each script of EVERY_SCRIPT run on the CPU into runs/<name> (emptied first) and drawn into folder/<name>.png."""
+def draw_every_script(folder: Path, runs: Path, only: list[str] | None = None) -> None:
+    """Each script of EVERY_SCRIPT (or those named in `only`) run on the CPU into runs/<name> (emptied first) and
+    drawn into folder/<name>.png."""
     from benchmarks import run as benchmark  # its launchers, and the lighthouse of the replica groups
 
     folder.mkdir(parents=True, exist_ok=True)
     for name, (start, script, own) in EVERY_SCRIPT.items():
+        if only and name not in only:
+            continue
         if start == "replica groups" and not benchmark.importable("torchft"):
             print(f"{name}: left out, it needs torchft (pip install torchft)")
             continue
         out = runs / name
         shutil.rmtree(out, ignore_errors=True)
         row = benchmark.Row(name, script, start)
-        cmd = benchmark.launch(row, nprocs=2) + EVERY_SCRIPT_FLAGS + own + ["--output-dir", str(out)]
-        env = benchmark.threads_env(2)
+        ranks = RANKS.get(name, 2)
+        cmd = benchmark.launch(row, nprocs=ranks) + EVERY_SCRIPT_FLAGS + own + ["--output-dir", str(out)]
+        env = benchmark.threads_env(ranks)
         result = (benchmark.run_replica_groups(cmd, 2, env) if start == "replica groups"
                   else benchmark.run_stoppable(cmd, env))
         if result.returncode:
             raise UsageError(f"{name} failed: {benchmark.why_it_failed(result.stderr)}")
         lanes = read_run(out)
-        ran_as = {"python": "one process", "replica groups": "2 replica groups of one process (gloo)"}
-        title = f"{script} {' '.join(own)}".strip() + f": 2 recorded steps of {ran_as.get(start, '2 ranks (gloo)')}"
+        ran_as = {"python": "one process", "replica groups": "2 replica groups of one process (gloo)"}.get(
+            start, f"{ranks} ranks (gloo)")
+        title = f"{script} {' '.join(own)}".strip() + f": 2 recorded steps of {ran_as}"
         draw(lanes, title, folder / f"{name}.png")
         print(f"{name}: {overlap_text(lanes)} -> {folder / name}.png", flush=True)
 
@@ -419,6 +427,8 @@ def main(argv=None) -> None:
     parser.add_argument("--title", default=None, help="the picture's title (default: RUN_DIR's name)")
     parser.add_argument("--every-script", type=Path, default=None, metavar="FOLDER",
                         help="run every script on the CPU (2 ranks, a few steps) and draw each into FOLDER/<name>.png")
+    parser.add_argument("--only", action="append", choices=list(EVERY_SCRIPT), metavar="NAME",
+                        help=f"with --every-script: only this picture (repeatable): {', '.join(EVERY_SCRIPT)}")
     parser.add_argument("--runs", type=Path, default=Path("runs/timelines"),
                         help="with --every-script: where the runs go, each in a folder of its name (emptied first)")
     args = parser.parse_args(argv)
@@ -426,7 +436,7 @@ def main(argv=None) -> None:
         parser.error("give a RUN_DIR, or --every-script FOLDER")
     with exit_on_error():
         if args.every_script:
-            return draw_every_script(args.every_script, args.runs)
+            return draw_every_script(args.every_script, args.runs, args.only)
         lanes = read_run(args.run)
         output = args.output or args.run / "timeline.png"
         if not output.parent.is_dir():
