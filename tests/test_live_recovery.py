@@ -74,10 +74,12 @@ def test_a_killed_group_heals_from_the_live_one_and_all_end_on_the_same_weights(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stop_signal_to_every_group_leaves_checkpoints_the_same_commands_continue(tmp_path):
-    """SIGTERM to both groups' torchrun: each writes its checkpoint and exits 143; the same two commands continue
-    (a group behind the other heals from it) and end on the same weights. The lighthouse forms no quorum before both
-    groups joined: with one, a group started late under load healed past step 8, whose line the test waits for."""
-    with own_lighthouse.on_a_free_port(min_replicas=2, heartbeat_timeout_ms=2000, wait_s=30) as lighthouse:
+    """SIGTERM to both groups' torchrun once both train in one quorum: each writes its checkpoint and exits 143; the
+    same two commands continue (a group behind the other heals from it) and end on the same weights. The signals
+    may land at different steps, one group stopping a step before the other: the lighthouse then lets the other
+    finish its step alone (min_replicas 1; with 2 it would wait for a quorum that cannot form, and its stop give up
+    after 25 s without a checkpoint, as seen under load)."""
+    with own_lighthouse.on_a_free_port(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as lighthouse:
         stop_both_groups_then_continue(lighthouse, tmp_path)
 
 
@@ -88,8 +90,8 @@ def stop_both_groups_then_continue(lighthouse: str, tmp_path) -> None:
     commands = [launcher("torchrun", SCRIPT, 1) + flags + ["--replica-group", str(g)] for g in (0, 1)]
     env = subprocess_env(RUST_LOG="warn")
     runs = [Run(command, env=env) for command in commands]
-    for started in runs:
-        started.wait_for("epoch 1/2 step 8/20")
+    for started in runs:  # both in the quorum: a group that started late has healed from the other
+        started.wait_for("2 of 2 replica groups")
     for started in runs:
         started.proc.send_signal(15)
     for g, started in enumerate(runs):
@@ -100,7 +102,7 @@ def stop_both_groups_then_continue(lighthouse: str, tmp_path) -> None:
     said = [process.communicate(timeout=200)[0] for process in continued]
     for g, (process, text) in enumerate(zip(continued, said, strict=True)):
         assert process.returncode == 0, f"group {g}: exit {process.returncode}\n{text[-3000:]}"
-        assert f"resuming from {out}/replica_group_{g}/checkpoint.pt: epoch 1" in text, text
+        assert f"resuming from {out}/replica_group_{g}/checkpoint.pt: epoch " in text, text
     assert_same_weights(final_weights(out, 2))
 
 
