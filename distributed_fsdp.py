@@ -6,7 +6,6 @@ weights (tests/test_fsdp.py); what changes is what a rank holds and communicates
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py --no-reshard-after-forward  # ZeRO-2-like
     torchrun --nnodes=2 --nproc_per_node=8 ... distributed_fsdp.py --replicas 2  # HSDP: shard in each machine
-    python -m safety_net.sharded_checkpoint runs/distributed_fsdp/checkpoint.dcp   # the checkpoint as one file
 """
 import sys
 
@@ -22,7 +21,6 @@ from safety_net.sharded_checkpoint import ShardedCheckpoint
 from speed import techniques
 from utils import data, flags, launch, metrics, models, precision, sharding
 from utils.errors import UsageError, exit_on_error
-from utils.sharding import PaddedShard
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -93,6 +91,7 @@ def train(args, env, safety) -> int:
     # this rank's share of the test set, images r, r+W, ...: not padded as DistributedSampler's, so each counts once
     test_loader = DataLoader(test_set, batch_size=batch, sampler=range(env.rank, len(test_set), env.world_size),
                              **loading)
+    test_batches = sharding.PaddedShard(test_loader, env.device)  # every rank forwards as many (each all-gathers)
     if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
         raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
@@ -102,7 +101,8 @@ def train(args, env, safety) -> int:
     if not args.no_sync_bn:  # BatchNorm statistics over the global batch, not each rank's share
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
-    model = shard(model, amp_dtype, args.reshard_after_forward, args.units, sharding.hsdp_mesh(env, args.replicas))
+    mesh = sharding.hsdp_mesh(env, args.replicas)  # --replicas R: HSDP's R groups that each shard; 1: None
+    model = shard(model, amp_dtype, args.reshard_after_forward, args.units, mesh)
     autocast_dtype = amp_dtype if args.units == "model" else None  # else shard()'s policy casts, no autocast
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
         model.compile()
@@ -117,7 +117,7 @@ def train(args, env, safety) -> int:
 
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
         safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
-        safety.write_eval(metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device, autocast_dtype))
+        safety.write_eval(metrics.evaluate(model, test_batches, env.device, autocast_dtype))
         return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
@@ -131,7 +131,7 @@ def train(args, env, safety) -> int:
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
         # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
-        results = metrics.evaluate(model, PaddedShard(test_loader, env.device), env.device, autocast_dtype)
+        results = metrics.evaluate(model, test_batches, env.device, autocast_dtype)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()
         safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
