@@ -38,13 +38,13 @@ import torch.multiprocessing as mp
 import torchvision
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from utils import models
+from utils import models, sharding
+from utils.launch import Env
 from utils.spawn import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -81,9 +81,9 @@ def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
         model.register_comm_hook(None, default_hooks.allreduce_hook)
         return model
     reshard = strategy != "FSDP, no reshard after forward"
-    world = dist.get_world_size()  # HSDP: 2 replicas, each sharded over half the ranks
-    mesh = init_device_mesh(device.type, (2, world // 2), mesh_dim_names=("replicate", "shard")) \
-        if strategy == "HSDP" else None
+    # HSDP: distributed_fsdp.py --replicas 2's mesh, 2 replicas each sharded over half the ranks
+    env = Env(rank=dist.get_rank(), local_rank=dist.get_rank(), world_size=dist.get_world_size(), device=device)
+    mesh = sharding.hsdp_mesh(env, 2) if strategy == "HSDP" else None
     if isinstance(model, torchvision.models.ResNet):
         import distributed_fsdp
         return distributed_fsdp.shard(model, None, reshard=reshard, mesh=mesh)
@@ -102,6 +102,13 @@ def make_optimizer(model: nn.Module, strategy: str) -> torch.optim.Optimizer:
 
 def local_bytes(tensors) -> int:
     return sum((t.to_local() if isinstance(t, DTensor) else t).numel() * t.element_size() for t in tensors)
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """The bytes of optimizer state this rank holds: its shards under FSDP; under ZeRO-1 the state of its own SGD,
+    over its share of the parameters."""
+    return local_bytes(t for state in getattr(optimizer, "optim", optimizer).state.values() for t in state.values()
+                       if isinstance(t, torch.Tensor))
 
 
 class CountedCollectives:
@@ -169,9 +176,7 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
             "parameters": sum(p.numel() for p in params),
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
-            # ZeRO-1: the state of this rank's own SGD, over its share of the parameters
-            "optimizer_bytes": local_bytes(t for state in getattr(optimizer, "optim", optimizer).state.values()
-                                           for t in state.values() if isinstance(t, torch.Tensor)),
+            "optimizer_bytes": optimizer_state_bytes(optimizer),
             "peak_memory_mb": peak_memory_mb(device),
             "step_s": statistics.median(times),
             "collectives": counted.calls, "collective_bytes": counted.bytes,

@@ -20,6 +20,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
+from benchmarks.sharding import optimizer_state_bytes
 from safety_net import checkpoint
 from safety_net.checkpoint import Options
 from safety_net.sharded_checkpoint import ShardedCheckpoint
@@ -85,10 +86,8 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)
     momentum = optimizer.state_dict()["state"][0]["momentum_buffer"]  # conv1's
-    momentum_bytes = sum(t.to_local().numel() * t.element_size() for state in optimizer.state.values()
-                         for t in state.values() if isinstance(t, torch.Tensor))
     return {"resumed_at": (epoch, step), "state": full_state(model), "momentum_rows": momentum.to_local().shape[0],
-            "momentum_bytes": momentum_bytes,
+            "momentum_bytes": optimizer_state_bytes(optimizer),
             "bfloat16_policy": mixed_precision_dtypes() if and_the_bfloat16_policy else None}
 
 

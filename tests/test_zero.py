@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distributed_zero as script
+from benchmarks.sharding import optimizer_state_bytes
 from safety_net.checkpoint import Checkpoint, Options
 from utils import models
 from utils.launch import Env
@@ -69,12 +70,6 @@ def weights(model):
     return {k: v.detach().clone() for k, v in model.module.state_dict().items()}
 
 
-def state_bytes(optimizer: ZeroRedundancyOptimizer) -> int:
-    """The bytes of optimizer state this rank holds: its own SGD's momentum buffers."""
-    return sum(t.numel() * t.element_size() for state in optimizer.optim.state.values() for t in state.values()
-               if isinstance(t, torch.Tensor))
-
-
 def continued(rank, world_size, output_dir):
     """Resume the run in output_dir at this world size (a new run if none), train one step, save: a checkpoint
     whose optimizer state every rank first sends to rank 0."""
@@ -86,7 +81,7 @@ def continued(rank, world_size, output_dir):
     epoch, step = checkpoint.resume()
     train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)
-    return {"resumed_at": (epoch, step), "weights": weights(model), "state_bytes": state_bytes(optimizer)}
+    return {"resumed_at": (epoch, step), "weights": weights(model), "state_bytes": optimizer_state_bytes(optimizer)}
 
 
 def at_world_size(rank, world_size, output_dir):
