@@ -132,7 +132,7 @@ def train(args, env, safety, gpus) -> int:
 def main(argv=None):
     args = parse_args(argv)
     safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: a stop with a checkpoint
-    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         gpus = gpus_for_dataparallel(args.gpu, args.device, args.compile)  # --gpu, or all visible; [] on the CPU
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here

@@ -144,7 +144,7 @@ def main(argv=None):
     args = parse_args(argv)
     # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint, each rank writing its own shards
     safety = SafetyNet.for_flags(args, __file__, sharded_checkpoint=ShardedCheckpoint)
-    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":

@@ -168,7 +168,7 @@ def train(args, env, safety) -> int:
 def main(argv=None):
     args = parse_args(argv)
     safety = HealingSafetyNet.for_flags(args, __file__)  # + a heal's state; Ctrl-C, SIGTERM: stop, checkpoint
-    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         HealingSafetyNet.check_flags_before_start(args, __file__)  # <output-dir> free, its checkpoint usable
         live_recovery.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend

@@ -118,7 +118,7 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
         os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
                           RANK=str(args.node_rank * args.nprocs + local_rank), LOCAL_RANK=str(local_rank))
     safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
-    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it

@@ -116,7 +116,7 @@ def train(args, env, safety) -> int:
 def main(argv=None):
     args = parse_args(argv)
     safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
-    with exit_on_error():  # an error: one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
         if env.device.type == "cuda":

@@ -29,7 +29,7 @@ import os
 import torch
 
 from safety_net import checkpoint as checkpoints
-from safety_net import metrics_log, profiling, stopping
+from safety_net import crash_report, metrics_log, profiling, stopping
 from safety_net.progress import EpochProgress
 from utils import flags
 
@@ -91,6 +91,9 @@ class SafetyNet:
         profiling.add_flag(ckpt)  # --profile-steps
         parser.checks.append(_tensorboard_missing)
         parser.checks.append(_init_from_conflicts)
+
+    # for utils.errors.exit_on_error: a crash as one line and exit status 1, its traceback in a file (crash_report.py)
+    report_crash = staticmethod(crash_report.report)
 
     @classmethod
     def for_flags(cls, args, script: str, sharded_checkpoint=None) -> "SafetyNet":

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from safety_net import checkpoint
+from safety_net import checkpoint, crash_report
 from safety_net.checkpoint import HEADER, Checkpoint, load, load_optimizer
 from safety_net.stop_errors import Diverged, StorageError
 from utils import collectives
@@ -173,7 +173,7 @@ def main(argv=None) -> None:
                                                "an existing file is not overwritten")
     args = parser.parse_args(argv)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(args.sharded)), checkpoint.FILENAME)
-    with exit_on_error():
+    with exit_on_error(crash_report.report):  # a crash: one line, the traceback in a file
         if not os.path.isdir(args.sharded):
             raise UsageError(f"{args.sharded} is not a sharded checkpoint directory")
         if os.path.exists(out):

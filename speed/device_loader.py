@@ -4,8 +4,17 @@ the DataLoader it stands in for, and gives its batches bit for bit."""
 import torch
 import torchvision.transforms.v2.functional as TF
 
-from utils.data import MEAN, STD, Images, augment_draws, draw_streams
+from utils import data
+from utils.data import MEAN, STD, Images
 from utils.errors import UsageError
+
+
+def augment_draws(seed: int, epoch: int, indices: torch.Tensor, streams: torch.Tensor):
+    """data.augment_draws for a batch of sample indices on their device: the same integer hash in int64 tensor
+    arithmetic, so the same (top, left, flip) as a DataLoader worker's. `streams`: data.STREAMS on that device."""
+    h = data.mix((data.epoch_key(seed, epoch) + (indices.long() & data.MASK)) & data.MASK)
+    top, left, flip = data.mix((h[..., None] + streams) & data.MASK).unbind(-1)  # three separate hash outputs
+    return top % 9, left % 9, flip >> 30
 
 
 class DeviceLoader:
@@ -24,7 +33,7 @@ class DeviceLoader:
         self.images, self.targets = dataset.images.to(device), dataset.targets.to(device)
         # made once, not per batch: made from a list at each batch, each is a blocking copy from host memory
         self.mean, self.std = (torch.tensor(v, dtype=torch.float32, device=device).view(-1, 1, 1) for v in (MEAN, STD))
-        self.streams = draw_streams(device)
+        self.streams = torch.tensor(data.STREAMS, device=device)  # the offsets of augment_draws's three draws
 
     def __len__(self) -> int:
         n = len(self.sampler)

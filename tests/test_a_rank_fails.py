@@ -71,3 +71,31 @@ def test_a_rank_that_raises_ends_the_run_in_one_line(kind, script, copy_with_a_b
         assert "Traceback" not in output, output
     assert seconds < 30, output
     assert load_checkpoint(out)["epoch"] == 1  # the checkpoint of epoch 1, whole
+
+
+def crash_in_exit_on_error(crash_report):
+    """The exit status of a RuntimeError raised inside exit_on_error(crash_report), or the error it let through."""
+    from utils.errors import exit_on_error
+    try:
+        with exit_on_error(crash_report):
+            raise RuntimeError("an unexpected failure")
+    except SystemExit as stop:
+        return stop.code
+    except RuntimeError as passed:
+        return passed
+
+
+def test_a_crash_is_the_safety_nets_one_line_and_without_it_pythons_traceback(capsys, monkeypatch):
+    """The scripts hand exit_on_error the safety net's crash report: one line naming the error and its place, the
+    traceback in a file, exit status 1. A copy without the safety net gets the exception back: Python's traceback."""
+    from safety_net import SafetyNet
+    monkeypatch.setattr("signal.signal", lambda *_: None)  # exit_process resets SIGCHLD: not in the test process
+    assert crash_in_exit_on_error(SafetyNet.report_crash) == 1
+    line = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"\S+: error: RuntimeError: an unexpected failure \(\S*test_a_rank_fails\.py:\d+ in "
+                        r"crash_in_exit_on_error; the traceback is in (\S+)\)", line), line
+    traceback_file = Path(line.rsplit("the traceback is in ", 1)[1].rstrip(")"))
+    assert "Traceback" in traceback_file.read_text()
+    traceback_file.unlink()
+    assert str(crash_in_exit_on_error(None)) == "an unexpected failure"
+    assert capsys.readouterr().err == ""

@@ -134,17 +134,18 @@ def test_loader_flag():
 
 
 def test_draws_are_uniform_and_depend_on_seed_epoch_and_index():
-    indices = torch.arange(20_000)
-    top, left, flip = data.augment_draws(0, 0, indices)
+    indices, streams = torch.arange(20_000), torch.tensor(data.STREAMS)
+    top, left, flip = device_loader.augment_draws(0, 0, indices, streams)
     for values in (top, left):
         counts = torch.bincount(values, minlength=9)
         assert len(counts) == 9 and ((counts / len(indices) - 1 / 9).abs() < 0.1 / 9).all()
     assert flip.min() == 0 and flip.max() == 1 and abs(flip.float().mean() - 0.5) < 0.02 * 0.5
-    for other in (data.augment_draws(0, 1, indices), data.augment_draws(1, 0, indices)):
+    for seed, epoch in ((0, 1), (1, 0)):
+        other = device_loader.augment_draws(seed, epoch, indices, streams)
         for mine, theirs in zip((top, left, flip), other, strict=True):
             assert (mine != theirs).float().mean() > 0.4  # independent draws differ 8/9 or 1/2 of the time
     for i in (0, 7, 19_999):  # alone, as a Python int (a DataLoader worker) or in a batch: the same draw
-        alone = data.augment_draws(0, 0, torch.tensor([i]))
+        alone = device_loader.augment_draws(0, 0, torch.tensor([i]), streams)
         assert [int(d) for d in alone] == [int(top[i]), int(left[i]), int(flip[i])]
         assert list(data.augment_draws(0, 0, i)) == [int(top[i]), int(left[i]), int(flip[i])]
 

@@ -26,39 +26,31 @@ STD = (0.2673, 0.2564, 0.2762)
 CIFAR_URL = "https://www.cs.toronto.edu/~kriz/cifar-100-python.tar.gz"
 
 
-_MASK = 0x7FFF_FFFF  # the hash keeps every value below 2**31: times a constant below 2**31, int64 never overflows
+MASK = 0x7FFF_FFFF  # the hash keeps every value below 2**31: times a constant below 2**31, int64 never overflows
 
 
-def _mix(x):
+def mix(x):
     """A bijection of 31-bit integers (Python ints or int64 tensors) that scatters nearby inputs."""
-    x = ((x ^ (x >> 16)) * 0x5BD1_E995) & _MASK
-    x = ((x ^ (x >> 15)) * 0x27D4_EB2D) & _MASK
+    x = ((x ^ (x >> 16)) * 0x5BD1_E995) & MASK
+    x = ((x ^ (x >> 15)) * 0x27D4_EB2D) & MASK
     return x ^ (x >> 16)
 
 
-_STREAMS = [k * 0x3C6E_F372 & _MASK for k in (1, 2, 3)]  # offsets of the three draws of one sample
+STREAMS = [k * 0x3C6E_F372 & MASK for k in (1, 2, 3)]  # offsets of the three draws of one sample
 
 
-def draw_streams(device: torch.device) -> torch.Tensor:
-    """_STREAMS as a tensor on `device`, for augment_draws's batches. A loader makes it once: made from the
-    list at each batch, it would be a blocking copy from host memory (on a GPU, a wait for the step before)."""
-    return torch.tensor(_STREAMS, device=device)
+def epoch_key(seed: int, epoch: int) -> int:
+    """The hash's key for one epoch of one run: every draw of the epoch is mix(key + index), then its stream."""
+    return mix((mix(seed & MASK) + (epoch & MASK)) & MASK)
 
 
 # Hand-written: torchvision's random transforms draw from the process RNG, different in each worker and rank.
-def augment_draws(seed: int, epoch: int, indices, streams: torch.Tensor | None = None):
-    """(top, left, flip) of RandomCrop(32, padding=4) and RandomHorizontalFlip(0.5) for sample indices:
-    top and left in 0..8, flip in {0, 1}. `indices` is an int (Python ints back) or an int64 tensor on any
-    device (tensors back): exact integer arithmetic, so each way gives the same draws. `streams`, for a
-    tensor: draw_streams(indices.device), made here when not given."""
-    key = _mix((_mix(seed & _MASK) + (epoch & _MASK)) & _MASK)
-    if isinstance(indices, int):  # one sample, in a DataLoader worker: plain ints are 20x faster than tensors
-        h = _mix((key + (indices & _MASK)) & _MASK)
-        top, left, flip = (_mix((h + s) & _MASK) for s in _STREAMS)
-    else:  # a batch, on the device loader's device
-        h = _mix((key + (indices.long() & _MASK)) & _MASK)
-        streams = draw_streams(indices.device) if streams is None else streams
-        top, left, flip = _mix((h[..., None] + streams) & _MASK).unbind(-1)  # three separate hash outputs
+def augment_draws(seed: int, epoch: int, index: int) -> tuple[int, int, int]:
+    """(top, left, flip) of RandomCrop(32, padding=4) and RandomHorizontalFlip(0.5) for sample `index`: top and
+    left in 0..8, flip in {0, 1}. Python ints, 20x faster than tensors for one sample in a DataLoader worker; the
+    device loader draws a whole batch with the same exact integer hash on int64 tensors (speed/device_loader.py)."""
+    h = mix((epoch_key(seed, epoch) + (index & MASK)) & MASK)
+    top, left, flip = (mix((h + s) & MASK) for s in STREAMS)
     return top % 9, left % 9, flip >> 30  # 2**31 % 9 == 2: a bias of 1e-9
 
 

@@ -3,10 +3,8 @@ import contextlib
 import os
 import signal
 import sys
-import tempfile
 import traceback
 
-import torch.distributed
 from tqdm import tqdm
 
 
@@ -45,65 +43,24 @@ def print_line(message: str, *, error: bool = True, local_rank_0_only: bool = Fa
         print(line, file=sys.stderr, flush=True)
 
 
-# gloo's words when the other end of a connection is gone: a rank that failed, or was killed
-_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-
-
-def lost_a_peer(error: BaseException) -> bool:
-    """Whether a collective failed because another rank left the process group (it says why itself)."""
-    return isinstance(error, torch.distributed.DistNetworkError) or any(w in str(error) for w in _PEER_GONE)
-
-
-def _shown(path: str) -> str:
-    """A path as a user reads it: relative below the current directory, else absolute."""
-    path = os.path.abspath(path)
-    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
-
-
-def _worker_lines(error: BaseException) -> list[str]:
+def worker_lines(error: BaseException) -> list[str]:
     """The lines of an error a DataLoader worker raised ("Caught ValueError in DataLoader worker process 0.",
     then the worker's own traceback, its last line the original error); [] for any other error."""
     text = str(error).strip()
     return text.splitlines() if text.startswith("Caught ") and "worker" in text else []
 
 
-def crash_line(error: BaseException) -> str:
-    """An unexpected exception as one line: its type, message and where it was raised; the whole traceback
-    goes to a file in the temporary directory, which the line names. An exception raised in a DataLoader
-    worker ("Caught ValueError in DataLoader worker process 0." and the worker's traceback) is told by the
-    worker's own last line and place."""
-    frames = traceback.extract_tb(error.__traceback__)
-    where = f"{_shown(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
-    what = f"{type(error).__name__}: {first_line(error, 200)}"
-    if lines := _worker_lines(error):  # the worker's traceback is in the message
-        what = lines[-1][:200]
-        places = [line.strip() for line in lines if line.strip().startswith('File "')]
-        if places:  # 'File "/path/data.py", line 346, in __getitem__'
-            filename, line, function = places[-1][6:].split(", ", 2)
-            filename = _shown(filename.strip('"'))
-            where = f"{filename}:{line.removeprefix('line ')} {function}"
-    path = os.path.join(tempfile.gettempdir(), f"{os.path.basename(sys.argv[0]) or 'python'}-"
-                                               f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.traceback")
-    try:
-        with open(path, "w") as f:
-            f.writelines(traceback.format_exception(error))
-    except OSError:
-        traceback.print_exception(error)
-        return f"{what} ({where})"
-    return f"{what} ({where}; the traceback is in {path})"
-
-
 def missing_file_line(error: OSError) -> str:
     """The one line of a file that is missing or cannot be read; from a DataLoader worker, whose message
     is "Caught FileNotFoundError in DataLoader worker process 0." and its traceback, the original line."""
-    if lines := _worker_lines(error):
+    if lines := worker_lines(error):
         return lines[-1].split(": ", 1)[-1][:200]
     if error.filename and error.strerror:
         return f"{error.strerror}: {error.filename}"
     return first_line(error, 200)
 
 
-def _exit(status: int):
+def exit_process(status: int):
     """Exit with status; DataLoader's SIGCHLD handler is removed first, or it would report the workers that
     the exit itself stops ("DataLoader worker exited unexpectedly", one traceback each)."""
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -111,29 +68,29 @@ def _exit(status: int):
 
 
 @contextlib.contextmanager
-def exit_on_error():
+def exit_on_error(crash_report=None):
     """Turn a OneLineError (a UsageError, SafetyNet's Diverged, ...) raised inside the block into its line on stderr
     and its exit status; a file that is missing or cannot be read (your datasets() reading --data-dir, say) and a
     process group that cannot form (dist.init_process_group fails: a busy port, a rank that never came) are
-    UsageErrors too. Any other exception is one line from the rank that raised it (crash_line), exit status 1; a
-    rank whose collective failed because another left exits quietly."""
+    UsageErrors too. Any other exception is a crash: `crash_report(error)` reports it and exits (the safety net's
+    SafetyNet.report_crash: one line, the traceback in a file); without one, Python prints the traceback, exit
+    status 1."""
     try:
         yield
     except OneLineError as error:
         print_line(str(error), local_rank_0_only=True)
-        _exit(error.exit_status)
+        exit_process(error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         # your datasets(), say: a path only this rank may lack
         print_line(f"{missing_file_line(error)} (check --data-dir and the paths given)", rank_named=True)
-        _exit(UsageError.exit_status)
+        exit_process(UsageError.exit_status)
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
         if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
             print_line(rendezvous_line(error), local_rank_0_only=True)
-            _exit(UsageError.exit_status)
-        if lost_a_peer(error):  # another rank failed, or was killed: it, or the launcher, says why
-            _exit(1)
-        print_line(crash_line(error), rank_named=True)
-        _exit(1)
+            exit_process(UsageError.exit_status)
+        if crash_report is None:
+            raise
+        crash_report(error)
 
 
 def _raised_in(error: BaseException, *functions: str) -> bool:

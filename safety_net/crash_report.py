@@ -1,0 +1,59 @@
+"""A crash in one line: an exception nobody expected (a bug, a sample that cannot be decoded) ends its rank with
+one line on stderr, its whole traceback in a file that the line names, instead of N tracebacks interleaved; the
+scripts hand `report` to utils.errors.exit_on_error (as SafetyNet.report_crash)."""
+import os
+import sys
+import tempfile
+import traceback
+
+import torch.distributed
+
+from utils.errors import exit_process, first_line, print_line, worker_lines
+
+# gloo's words when the other end of a connection is gone: a rank that failed, or was killed
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+
+
+def report(error: BaseException) -> None:
+    """Exit status 1, after crash_line from the rank that raised `error`; a rank whose collective failed because
+    another rank left exits quietly (that rank, or the launcher, says why)."""
+    if not lost_a_peer(error):
+        print_line(crash_line(error), rank_named=True)
+    exit_process(1)
+
+
+def lost_a_peer(error: BaseException) -> bool:
+    """Whether a collective failed because another rank left the process group (it says why itself)."""
+    return isinstance(error, torch.distributed.DistNetworkError) or any(w in str(error) for w in _PEER_GONE)
+
+
+def _shown(path: str) -> str:
+    """A path as a user reads it: relative below the current directory, else absolute."""
+    path = os.path.abspath(path)
+    return os.path.relpath(path) if path.startswith(os.getcwd() + os.sep) else path
+
+
+def crash_line(error: BaseException) -> str:
+    """An unexpected exception as one line: its type, message and where it was raised; the whole traceback
+    goes to a file in the temporary directory, which the line names. An exception raised in a DataLoader
+    worker ("Caught ValueError in DataLoader worker process 0." and the worker's traceback) is told by the
+    worker's own last line and place."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{_shown(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
+    what = f"{type(error).__name__}: {first_line(error, 200)}"
+    if lines := worker_lines(error):  # the worker's traceback is in the message
+        what = lines[-1][:200]
+        places = [line.strip() for line in lines if line.strip().startswith('File "')]
+        if places:  # 'File "/path/data.py", line 346, in __getitem__'
+            filename, line, function = places[-1][6:].split(", ", 2)
+            filename = _shown(filename.strip('"'))
+            where = f"{filename}:{line.removeprefix('line ')} {function}"
+    path = os.path.join(tempfile.gettempdir(), f"{os.path.basename(sys.argv[0]) or 'python'}-"
+                                               f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.traceback")
+    try:
+        with open(path, "w") as f:
+            f.writelines(traceback.format_exception(error))
+    except OSError:
+        traceback.print_exception(error)
+        return f"{what} ({where})"
+    return f"{what} ({where}; the traceback is in {path})"
