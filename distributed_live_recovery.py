@@ -177,7 +177,7 @@ def main(argv=None):
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
         # None, but in a rank torchrun restarted, which must not meet at the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
-                                store=launch.torchrun_restart_store(env.timeout))
+                                store=safety.torchrun_restart_store(env.timeout))
         safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
             status = train(args, env, safety)

@@ -12,7 +12,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from utils import flags
 from utils.errors import UsageError
@@ -77,18 +76,6 @@ def this_process(args) -> Env:
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                timeout=datetime.timedelta(seconds=args.dist_timeout))
-
-
-def torchrun_restart_store(timeout: datetime.timedelta) -> dist.Store | None:
-    """None (dist.init_process_group then meets at MASTER_ADDR:MASTER_PORT as usual), except in ranks that
-    torchrun restarted (--max-restarts): its store with a key prefix per restart. The agent keeps one store
-    across restarts, and without the prefix a restarted rank can read the address a rank of the killed group
-    published and fail to connect to it (a race, seen here 2 times in 5; pytorch/pytorch#167288)."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == 0:
-        return None
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False, timeout=timeout)
-    return dist.PrefixStore(f"attempt_{restarts}", store)
 
 
 def first_host(nodelist: str) -> str:
