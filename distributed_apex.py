@@ -152,7 +152,7 @@ def main(argv=None):
     args = parse_args(argv)
     if launched_by_torchrun():  # torchrun started this process as one rank: start no others
         return worker(None, args)
-    with exit_on_error():  # everything that can be checked before any process starts: one line, exit status 2
+    with exit_on_error(SafetyNet.report_crash):  # checks before any process starts: one line, exit status 2
         complete_and_check_spawn_flags(args)  # --nprocs: one per visible GPU unless given; --port: a free one
         SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
     # as torchrun would: a stop signal to this process goes to the ranks, which save and exit; a failed rank's error
