@@ -1,6 +1,7 @@
 """The run's safety net in one object, called by a script at a few named places: checkpoints and resume,
 stop signals and preemption, the divergence guard, the output directory's lock, progress lines and
-metrics.jsonl (and TensorBoard events). Delete those calls from a copy of a script and it still trains.
+metrics.jsonl (and TensorBoard events), a crash in one line, and the store of ranks torchrun restarted. Delete
+those calls from a copy of a script and it still trains.
 
 Every method that communicates with the other ranks says so in the first line of its docstring, and
 every rank calls it at the same line of the script: moved onto one rank's path, it would hang the others.
