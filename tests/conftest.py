@@ -1,7 +1,9 @@
 """pytest's hooks and fixtures, nothing else: what the test files import is in modules of its own (script_runs.py:
 running the scripts and reading what they wrote; processes.py: the processes a run starts and leaves)."""
+import collections
 import json
 import os
+import resource
 import shutil
 from pathlib import Path
 
@@ -24,6 +26,54 @@ def pytest_collection_modifyitems(session, config, items):
     (pyproject.toml's --no-loadscope-reorder keeps xdist to this order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-report", metavar="FILE", default=None,
+                     help="append each test's CPU seconds to FILE (a JSON line a test: its own process's and those of "
+                          "the processes it started and waited for, the launchers' ranks included; not the forkserver "
+                          "processes of distributed_helpers.on_ranks) and print the seconds of each test file at the "
+                          "end: what the suite's time on a 2-core machine is made of")
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that ended and were waited for (their children's too)."""
+    return sum(usage.ru_utime + usage.ru_stime for usage in (resource.getrusage(resource.RUSAGE_SELF),
+                                                             resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """--cpu-report: the test's CPU seconds (setup, call and teardown: a module fixture's runs count for the test
+    that made them), appended as one line (O_APPEND: the workers' lines do not mix)."""
+    report = item.config.getoption("cpu_report")
+    before = _cpu_seconds() if report else 0.0
+    yield
+    if report:
+        with open(report, "a") as f:
+            f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before, 2)}) + "\n")
+
+
+def pytest_sessionstart(session):
+    """--cpu-report: FILE emptied, in the controlling process, before any test runs: it holds this run's lines."""
+    report = session.config.getoption("cpu_report")
+    if report and not hasattr(session.config, "workerinput"):
+        Path(report).write_text("")
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    """--cpu-report: the CPU seconds of each test file in FILE, the costliest first."""
+    report = config.getoption("cpu_report")
+    if not report or hasattr(config, "workerinput") or not os.path.exists(report):
+        return
+    per_file = collections.Counter()
+    for line in Path(report).read_text().splitlines():
+        row = json.loads(line)
+        per_file[row["test"].split("::")[0]] += row["cpu_s"]
+    terminalreporter.section(f"CPU seconds per test file ({report})")
+    for name, seconds in per_file.most_common():
+        terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+    terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  in all")
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
