@@ -115,16 +115,18 @@ def test_the_readers_turn_each_steps_output_into_one_line(tmp_path):
 
 def test_only_the_host_waits_are_counted_not_the_debug_modes_notice(monkeypatch):
     """torch.cuda.set_sync_debug_mode("warn") first warns that it is a prototype (a lent H200 counted that notice
-    as a wait); each wait it finds is worded "called a synchronizing CUDA operation"."""
+    as a wait); each wait it finds is worded "called a synchronizing CUDA operation". The notice is passed on to
+    whatever showed warnings before (here pytest.warns), not swallowed."""
     import collections
     import warnings
 
     import script_driver
     reads = collections.Counter()
-    with warnings.catch_warnings():
+    with pytest.warns(UserWarning, match="prototype feature") as shown:
         monkeypatch.setattr(warnings, "showwarning", warnings.showwarning)  # put back after the test
         script_driver.SyncWaits(reads)
         warnings.warn("Synchronization debug mode is a prototype feature and does not yet detect all "
                       "synchronizing operations", UserWarning, stacklevel=1)
         warnings.warn(f"{gpu_check.SYNC_WARNING} (function copy_kernel_cuda)", UserWarning, stacklevel=1)
     assert list(reads.values()) == [1] and "called a synchronizing CUDA operation" in next(iter(reads))
+    assert [str(w.message) for w in shown if gpu_check.SYNC_WARNING in str(w.message)] == []  # a wait: counted only
