@@ -47,7 +47,7 @@ LAYOUTS = {  # name: (how the model is wrapped, whether its step runs under auto
     FSDP_KIND: ("shard", False),
     "FSDP: shard(), no reshard after forward": ("shard-no-reshard", False),
     "FSDP: the model one unit, shard()'s policy": ("one-unit", False),
-    "FSDP: the model one unit, autocast": ("one-unit", True),
+    "FSDP: the model one unit, autocast": ("model", True),  # distributed_fsdp.py --units model
     "FSDP: stages and root, autocast": ("stages", True),
 }
 
@@ -72,17 +72,19 @@ def build(kind: str, device: torch.device, amp_dtype: torch.dtype | None, diviso
     torch.manual_seed(0)
     model = models.resnet18_cifar()
     model = (thin(model, divisor) if divisor > 1 else model).to(device)
-    wrap, autocast = LAYOUTS[kind]
+    wrap = LAYOUTS[kind][0]
     if wrap == "ddp":
         return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    if wrap in ("shard", "shard-no-reshard"):
-        return distributed_fsdp.shard(model, amp_dtype, reshard=wrap == "shard")
+    if wrap in ("shard", "shard-no-reshard", "model"):  # the script's own layouts
+        return distributed_fsdp.shard(model, amp_dtype, reshard=wrap != "shard-no-reshard",
+                                      units="model" if wrap == "model" else "stages")
     if wrap == "stages":  # no policy: float32 weights gathered, the step under autocast as DDP's
         for stage in (model.layer1, model.layer2, model.layer3, model.layer4):
             fully_shard(stage)
         return fully_shard(model)
-    # one unit: gathered once before forward, kept until backward is done (the root is never resharded early)
-    if autocast or amp_dtype is None:
+    # one unit with shard()'s policy: gathered once before forward, kept until backward is done (the root is never
+    # resharded early); in float32 the policy is no policy, and the layout is --units model's
+    if amp_dtype is None:
         return fully_shard(model)
     norms = [m for m in model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     fully_shard(norms, reshard_after_forward=False)  # shard()'s float32 BatchNorm unit
