@@ -20,7 +20,7 @@ from examples.local_processes import alive, process_tree
 from safety_net import stopping
 from safety_net.stopping import StopSignals
 from utils import metrics
-from utils.spawn import free_port
+from utils.spawn import STOP_SIGNALS, free_port
 
 # One epoch of 6 steps: a stop lands mid-epoch, and the continued run has steps left to prove it right.
 RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16", "--batch-size", "16",
@@ -263,6 +263,11 @@ def test_a_stop_ends_a_run_whose_rank_hangs_and_says_so(tmp_path):
     assert errors[0].endswith(f"exiting without a new checkpoint, the last one, {out / 'checkpoint.pt'}, is kept")
     assert status != 0 and seconds < 10 and "stopped by SIGINT at" not in started.text, started.output
     assert load_checkpoint(out)["step"] == 2
+
+
+def test_the_spawn_parent_passes_on_every_signal_the_ranks_stop_on():
+    """utils/spawn.py cannot import the safety net (utils comes first), so it names the stop signals again."""
+    assert set(STOP_SIGNALS) == set(stopping.SIGNALS)
 
 
 def test_torchruns_wait_before_sigkill_is_read_as_torchrun_reads_it():
