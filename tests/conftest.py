@@ -84,6 +84,24 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, os.cpu_count() or 1, int(memory_gb // 6)))
 
 
+@pytest.fixture(scope="module")
+def module_dir(request, tmp_path_factory):
+    """module_dir(name): a new folder for runs a module's tests share, deleted when the module's tests end unless one
+    of them failed: what pyproject's tmp_path_retention_policy = "failed" does for a test's own tmp_path (the suite
+    writes checkpoints of about 90 MB a run; kept to the session's end, they filled a CI machine's disk)."""
+    failures_before = request.session.testsfailed
+    made = []
+
+    def make(name: str) -> Path:
+        made.append(tmp_path_factory.mktemp(name))
+        return made[-1]
+
+    yield make
+    if request.session.testsfailed == failures_before:
+        for path in made:
+            shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, worker_id):
     """Runs of the scripts on TINY data, each made once per session and shared by the tests: under xdist once for

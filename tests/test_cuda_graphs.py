@@ -48,13 +48,13 @@ def driven(out: Path, script: str, *flags: str, graph_path: bool = False, launch
 
 
 @pytest.fixture(scope="module")
-def eager(tmp_path_factory) -> Path:
-    return driven(tmp_path_factory.mktemp("eager"), SCRIPT, *RUN)
+def eager(module_dir) -> Path:
+    return driven(module_dir("eager"), SCRIPT, *RUN)
 
 
 @pytest.fixture(scope="module")
-def graphed(tmp_path_factory) -> Path:
-    return driven(tmp_path_factory.mktemp("graphed"), SCRIPT, *RUN, "--cuda-graphs", graph_path=True)
+def graphed(module_dir) -> Path:
+    return driven(module_dir("graphed"), SCRIPT, *RUN, "--cuda-graphs", graph_path=True)
 
 
 def checkpoint_at(run_dir: Path, epoch: int, step: int) -> Path:

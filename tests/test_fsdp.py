@@ -111,9 +111,9 @@ def on_every_world_size(rank, world_size, output_dir):
 
 
 @pytest.fixture(scope="module")
-def float64_runs(tmp_path_factory):
+def float64_runs(module_dir):
     """{world size: each rank's results}, the sharded run continued on 2 ranks, then 3, then 1."""
-    out = tmp_path_factory.mktemp("fsdp-float64")
+    out = module_dir("fsdp-float64")
     return {n: on_ranks(n, on_every_world_size, str(out / "run"), results_dir=out / str(n)) for n in (2, 3)} | {
         1: on_ranks(1, continue_sharded, str(out / "run"), True, results_dir=out / "1"), "dir": out / "run"}
 
@@ -132,10 +132,10 @@ def hsdp_against_ddp(rank, world_size, output_dir):
 
 
 @pytest.fixture(scope="module")
-def hsdp_runs(tmp_path_factory):
+def hsdp_runs(module_dir):
     """{world size: each rank's results}: a run in one directory continued as FSDP on 2 ranks, HSDP on 4 (2 x 2),
     FSDP on 1; on the 4 ranks, HSDP against DDP first."""
-    out = tmp_path_factory.mktemp("hsdp")
+    out = module_dir("hsdp")
     chain = ((2, continue_sharded), (4, hsdp_against_ddp), (1, continue_sharded))
     return {n: on_ranks(n, fn, str(out / "run"), results_dir=out / str(n)) for n, fn in chain}
 

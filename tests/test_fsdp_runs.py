@@ -28,9 +28,9 @@ def weights(sharded_dir) -> dict:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(module_dir):
     """The run never stopped, on 2 ranks."""
-    out = tmp_path_factory.mktemp("fsdp-never-stopped")
+    out = module_dir("fsdp-never-stopped")
     check(run(launcher("torchrun", "distributed_fsdp.py") + RUN + ["--output-dir", str(out)]))
     return out
 

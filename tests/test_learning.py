@@ -12,9 +12,9 @@ TEST_SAMPLES = 101  # divisible by neither 2 nor 3
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
+def trained(module_dir):
     """2 DDP ranks, 2 epochs of 768 synthetic images: about a minute on 2 cores."""
-    out = tmp_path_factory.mktemp("learn")
+    out = module_dir("learn")
     check(run(launcher("spawn", "distributed_mp.py") + [
         "--dataset", "synthetic", "--train-samples", "768", "--test-samples", str(TEST_SAMPLES),
         "--batch-size", "32", "--lr", "0.05", "--epochs", "2", "--no-augment", "--workers", "0",

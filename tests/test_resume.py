@@ -23,9 +23,9 @@ RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(module_dir):
     """An uninterrupted 2-rank run (torchrun and spawn give the same weights to the bit)."""
-    out = tmp_path_factory.mktemp("reference")
+    out = module_dir("reference")
     check(run(launcher("torchrun", "distributed.py") + RUN + ["--output-dir", str(out)]))
     return out
 

@@ -28,9 +28,9 @@ RUN = ["--dataset", "synthetic", "--train-samples", "96", "--test-samples", "16"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def reference(module_dir):
     """The run never stopped (2 ranks; every launcher gives the same weights to the bit)."""
-    out = tmp_path_factory.mktemp("never-stopped")
+    out = module_dir("never-stopped")
     check(run(launcher("torchrun", "distributed.py") + RUN + ["--workers", "0", "--output-dir", str(out)]))
     return out
 

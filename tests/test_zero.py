@@ -98,9 +98,9 @@ def at_world_size(rank, world_size, output_dir):
 
 
 @pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
+def ranks(module_dir):
     """{world size: each rank's results}: the run in one directory continued on 2 ranks, then 4, then 1."""
-    out = tmp_path_factory.mktemp("zero")
+    out = module_dir("zero")
     return {n: on_ranks(n, at_world_size, str(out / "run"), results_dir=out / str(n)) for n in (2, 4, 1)}
 
 
