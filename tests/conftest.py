@@ -33,7 +33,9 @@ def pytest_addoption(parser):
                      help="append each test's CPU seconds to FILE (a JSON line a test: its own process's and those of "
                           "the processes it started and waited for, the launchers' ranks included; not the forkserver "
                           "processes of distributed_helpers.on_ranks) and print the seconds of each test file at the "
-                          "end: what the suite's time on a 2-core machine is made of")
+                          "end: what the suite's time on a 2-core machine is made of. Write --cpu-report=FILE: "
+                          "a FILE outside the repository given apart is taken by the xdist workers for a test path, "
+                          "which moves their root folder away from this conftest")
 
 
 def _cpu_seconds() -> float:
