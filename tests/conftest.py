@@ -30,12 +30,21 @@ def pytest_collection_modifyitems(session, config, items):
 
 def pytest_addoption(parser):
     parser.addoption("--cpu-report", metavar="FILE", default=None,
-                     help="append each test's CPU seconds to FILE (a JSON line a test: its own process's and those of "
-                          "the processes it started and waited for, the launchers' ranks included; not the forkserver "
-                          "processes of distributed_helpers.on_ranks) and print the seconds of each test file at the "
-                          "end: what the suite's time on a 2-core machine is made of. Write --cpu-report=FILE: "
-                          "a FILE outside the repository given apart is taken by the xdist workers for a test path, "
+                     help="where each test's CPU seconds go, a JSON line a test: its own process's and those of the "
+                          "processes it started and waited for, the launchers' ranks included (not the forkserver "
+                          "processes of distributed_helpers.on_ranks); the run ends with the seconds of each test "
+                          "file, what the suite's time on a 2-core machine is made of. Default: "
+                          ".pytest_cache/cpu-report.jsonl; --cpu-report= (empty): none. Write --cpu-report=FILE: a "
+                          "FILE outside the repository given apart is taken by the xdist workers for a test path, "
                           "which moves their root folder away from this conftest")
+
+
+def _cpu_report(config) -> Path | None:
+    """--cpu-report's file: FILE, .pytest_cache/cpu-report.jsonl by default, None when turned off."""
+    report = config.getoption("cpu_report")
+    if report is None:
+        return config.rootpath / ".pytest_cache" / "cpu-report.jsonl"
+    return Path(report) if report else None
 
 
 def _cpu_seconds() -> float:
@@ -46,9 +55,9 @@ def _cpu_seconds() -> float:
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    """--cpu-report: the test's CPU seconds (setup, call and teardown: a module fixture's runs count for the test
-    that made them), appended as one line (O_APPEND: the workers' lines do not mix)."""
-    report = item.config.getoption("cpu_report")
+    """The test's CPU seconds (setup, call and teardown: a module fixture's runs count for the test that made them),
+    appended to --cpu-report's file as one line (O_APPEND: the workers' lines do not mix)."""
+    report = _cpu_report(item.config)
     before = _cpu_seconds() if report else 0.0
     yield
     if report:
@@ -57,24 +66,27 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def pytest_sessionstart(session):
-    """--cpu-report: FILE emptied, in the controlling process, before any test runs: it holds this run's lines."""
-    report = session.config.getoption("cpu_report")
+    """--cpu-report's file emptied (its folder made), in the controlling process, before any test runs: it holds this
+    run's lines."""
+    report = _cpu_report(session.config)
     if report and not hasattr(session.config, "workerinput"):
-        Path(report).write_text("")
+        report.parent.mkdir(parents=True, exist_ok=True)
+        report.write_text("")
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """--cpu-report: the CPU seconds of each test file in FILE, the costliest first."""
-    report = config.getoption("cpu_report")
-    if not report or hasattr(config, "workerinput") or not os.path.exists(report):
+    """The CPU seconds of each test file that took any, from --cpu-report's file, the costliest first."""
+    report = _cpu_report(config)
+    if not report or hasattr(config, "workerinput") or not report.exists():
         return
     per_file = collections.Counter()
-    for line in Path(report).read_text().splitlines():
+    for line in report.read_text().splitlines():
         row = json.loads(line)
         per_file[row["test"].split("::")[0]] += row["cpu_s"]
     terminalreporter.section(f"CPU seconds per test file ({report})")
     for name, seconds in per_file.most_common():
-        terminalreporter.write_line(f"{seconds:8.1f}  {name}")
+        if seconds >= 0.05:
+            terminalreporter.write_line(f"{seconds:8.1f}  {name}")
     terminalreporter.write_line(f"{sum(per_file.values()):8.1f}  in all")
 
 
