@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -65,9 +66,14 @@ def pytest_runtest_protocol(item, nextitem):
             f.write(json.dumps({"test": item.nodeid, "cpu_s": round(_cpu_seconds() - before, 2)}) + "\n")
 
 
+def _free_gb() -> float:
+    return shutil.disk_usage(tempfile.gettempdir()).free / 2**30
+
+
 def pytest_sessionstart(session):
     """--cpu-report's file emptied (its folder made), in the controlling process, before any test runs: it holds this
-    run's lines."""
+    run's lines. And the free room where the tests write, for the summary."""
+    session.config.free_gb_at_start = _free_gb()
     report = _cpu_report(session.config)
     if report and not hasattr(session.config, "workerinput"):
         report.parent.mkdir(parents=True, exist_ok=True)
@@ -75,7 +81,13 @@ def pytest_sessionstart(session):
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
-    """The CPU seconds of each test file that took any, from --cpu-report's file, the costliest first."""
+    """The free room where the tests write (a run holds up to about 4 GB of checkpoints there at once, 3.7 GB at
+    30c82ed, and a full disk fails tests by the dozen, far from the cause); then the CPU seconds of each test file
+    that took any, from --cpu-report's file, the costliest first."""
+    if not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"temporary files under {tempfile.gettempdir()}: {config.free_gb_at_start:.1f} GB "
+                                    f"free at the start, {_free_gb():.1f} GB at the end (the suite holds up to about "
+                                    "4 GB there at once)")
     report = _cpu_report(config)
     if not report or hasattr(config, "workerinput") or not report.exists():
         return
