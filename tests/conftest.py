@@ -71,11 +71,12 @@ def _free_gb() -> float:
 
 
 def pytest_sessionstart(session):
-    """--cpu-report's file emptied (its folder made), in the controlling process, before any test runs: it holds this
-    run's lines. And the free room where the tests write, for the summary."""
+    """In the controlling process, before any test runs: the free room where the tests write, for the summary, and
+    --cpu-report's file emptied (its folder made), to hold this run's lines."""
+    if hasattr(session.config, "workerinput"):
+        return
     session.config.free_gb_at_start = _free_gb()
-    report = _cpu_report(session.config)
-    if report and not hasattr(session.config, "workerinput"):
+    if report := _cpu_report(session.config):
         report.parent.mkdir(parents=True, exist_ok=True)
         report.write_text("")
 
@@ -84,12 +85,13 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     """The free room where the tests write (a run holds up to about 4 GB of checkpoints there at once, 3.7 GB at
     30c82ed, and a full disk fails tests by the dozen, far from the cause); then the CPU seconds of each test file
     that took any, from --cpu-report's file, the costliest first."""
-    if not hasattr(config, "workerinput"):
-        terminalreporter.write_line(f"temporary files under {tempfile.gettempdir()}: {config.free_gb_at_start:.1f} GB "
-                                    f"free at the start, {_free_gb():.1f} GB at the end (the suite holds up to about "
-                                    "4 GB there at once)")
+    if hasattr(config, "workerinput"):
+        return
+    terminalreporter.write_line(f"temporary files under {tempfile.gettempdir()}: {config.free_gb_at_start:.1f} GB "
+                                f"free at the start, {_free_gb():.1f} GB at the end (the suite holds up to about 4 GB "
+                                "there at once)")
     report = _cpu_report(config)
-    if not report or hasattr(config, "workerinput") or not report.exists():
+    if not report or not report.exists():
         return
     per_file = collections.Counter()
     for line in report.read_text().splitlines():
