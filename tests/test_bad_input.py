@@ -92,6 +92,27 @@ def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):
     assert (out / "checkpoint.pt").read_bytes() == before
 
 
+def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsys, monkeypatch):
+    """torchrun starts N ranks that each parse the flags: local rank 0 prints, the others exit as it does, silently
+    (or a bad flag's line and --help would come N times, one a rank)."""
+    import distributed
+    for local_rank, prints in (("1", False), ("0", True)):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        result = run_main(distributed.main, ["--epochs", "-1"], capsys)
+        assert result.returncode == 2 and result.stdout == "", result
+        assert ("error: argument --epochs" in result.stderr) == prints and result.stderr.count("\n") == prints, result
+        result = run_main(distributed.main, ["--help"], capsys)
+        assert result.returncode == 0 and ("--batch-size" in result.stdout) == prints and result.stderr == "", result
+
+
+@pytest.mark.slow
+def test_a_bad_flag_under_torchrun_is_said_once(tmp_path):
+    result = run(launcher("torchrun", "distributed.py") + TINY + ["--epochs", "-1", "--output-dir",
+                                                                  str(tmp_path / "out")], timeout=120)
+    assert result.returncode != 0 and result.stderr.count("error: argument --epochs") == 1, result.stderr[-3000:]
+    assert not (tmp_path / "out").exists()
+
+
 def test_cifar100_absent_says_where_and_what_to_do(tmp_path):
     result = run_bad(["spawn", "distributed_mp.py"], ["--dataset", "cifar100", "--data-dir", str(tmp_path / "d")],
                      tmp_path / "out")

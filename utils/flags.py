@@ -21,6 +21,9 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
+    def _print_message(self, message, file=None):  # every rank of torchrun parses the flags: local rank 0 alone
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # prints --help or a bad flag's line (the others exit silently)
+            super()._print_message(message, file)
 
 
 def group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
