@@ -112,6 +112,14 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, os.cpu_count() or 1, int(memory_gb // 6)))
 
 
+@pytest.fixture(scope="session", autouse=True)
+def children_temp_dir(tmp_path_factory):
+    """TMPDIR, for the processes the tests start, under pytest's own folder, and deleted with it when every test
+    passed: torchrun leaves an empty torchelastic_* folder in the temporary folder each time it starts, and a killed
+    process its multiprocessing pymp-* folder, some 200 a run of the suite left in /tmp."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children-tmp"))
+
+
 @pytest.fixture(scope="module")
 def module_dir(request, tmp_path_factory):
     """module_dir(name): a new folder for runs a module's tests share, deleted when the module's tests end unless one
