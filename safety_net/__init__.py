@@ -185,7 +185,8 @@ class SafetyNet:
             steps_left = (self.options.epochs - self.start_at[0]) * steps_per_epoch - self.start_at[1]
             profiling.check_steps_left(self.profile_steps, steps_left, steps_per_epoch)
         if self.start_at[0] == self.options.epochs and self.env.is_main:
-            print(f"nothing left to train: the checkpoint has all {self.options.epochs} epochs (--evaluate tests it)")
+            epochs = f"{self.options.epochs} epoch{'s' if self.options.epochs > 1 else ''}"
+            print(f"nothing left to train: the checkpoint already has the {epochs} asked for (--evaluate tests it)")
         return self.start_at[0]
 
     def begin_epoch(self, epoch: int) -> int:
