@@ -301,8 +301,9 @@ class StopSignals:
                     if budget and (seconds or 0) + SAVE_S > usable_s(budget[0]) else "")
             kept = f"keeping the last checkpoint ({path})" if (path := self._last_checkpoint()) else \
                 "before any checkpoint is written"
-            print_line(f"{reason}: stopping {where} with a checkpoint, {when}{late}; Ctrl-C again leaves at once, "
-                       f"{kept}", error=False)
+            again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"  # kill -TERM: no terminal
+            print_line(f"{reason}: stopping {where} with a checkpoint, {when}{late}; {again} leaves at once, {kept}",
+                       error=False)
 
     def _where_it_stops(self, now: float) -> tuple[str, str, float | None]:
         """(Holding the lock.) Where a signal seen now stops the run and when, in words, and in about how many

@@ -92,6 +92,8 @@ def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, refere
     assert seconds < 30  # torchrun and SLURM send SIGKILL 30 s after SIGTERM
     if not how.startswith("one worker"):  # rank 0 got the signal too: it said at once where the run would stop
         assert f"{signal.Signals(signum).name}: stopping after step" in started.text, started.output
+        again = "Ctrl-C again" if signum == signal.SIGINT else "a second signal"  # kill -TERM: no terminal to press
+        assert f"; {again} leaves at once" in started.text, started.output
     assert "warning: a step takes" not in started.text  # these steps fit torchrun's 30 s before SIGKILL
     if how in CONTINUED:
         assert_continues_to_the_reference(cmd, tmp_path, reference, line)
