@@ -165,8 +165,9 @@ def test_the_one_unit_layout_trains_in_bfloat16_and_its_shards_evaluate_in_the_s
     """--units model: the whole model one FSDP unit, the step under bfloat16 autocast, trains under torchrun; its
     sharded checkpoint holds the same keys as the stage layout's, whose --evaluate on one process reads it and counts
     every test image, near the loss the training run measured (the two layouts cast in different places)."""
+    # 2 steps: a CPU without bfloat16 instructions emulates them (6 steps took 90 CPU seconds, 2 take 49)
     check(run(launcher("torchrun", "distributed_fsdp.py") + RUN[:-2] + [
-        "--units", "model", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]))
+        "--train-samples", "32", "--units", "model", "--amp-dtype", "bfloat16", "--output-dir", str(tmp_path)]))
     (trained,) = read_metrics(tmp_path)
     assert checkpoint.load(str(tmp_path / "checkpoint.dcp"))["resolved"]["precision"] == "bfloat16"
     check(run(launcher("python", "distributed_fsdp.py") + RUN[:-2] + [
