@@ -93,11 +93,13 @@ def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):
 
 
 def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsys, monkeypatch):
-    """torchrun starts N ranks that each parse the flags: local rank 0 prints, the others exit as it does, silently
-    (or a bad flag's line and --help would come N times, one a rank)."""
+    """torchrun starts N ranks (srun N tasks) that each parse the flags: local rank 0 prints, the others exit as it
+    does, silently (or a bad flag's line and --help would come N times, one a rank)."""
     import distributed
-    for local_rank, prints in (("1", False), ("0", True)):
-        monkeypatch.setenv("LOCAL_RANK", local_rank)
+    for variable, local_rank, prints in (("LOCAL_RANK", "1", False), ("LOCAL_RANK", "0", True),
+                                         ("SLURM_LOCALID", "1", False)):
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+        monkeypatch.setenv(variable, local_rank)
         result = run_main(distributed.main, ["--epochs", "-1"], capsys)
         assert result.returncode == 2 and result.stdout == "", result
         assert ("error: argument --epochs" in result.stderr) == prints and result.stderr.count("\n") == prints, result

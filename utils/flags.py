@@ -21,8 +21,8 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    def _print_message(self, message, file=None):  # every rank of torchrun parses the flags: local rank 0 alone
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # prints --help or a bad flag's line (the others exit silently)
+    def _print_message(self, message, file=None):  # every rank of torchrun (or task of srun) parses the flags:
+        if os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0")) == "0":  # local rank 0 alone prints
             super()._print_message(message, file)
 
 
