@@ -3,6 +3,7 @@
 Printing a loss needs .item(), which waits for the device; doing it every step (as older tutorials
 do, often with a barrier) stalls the pipeline. Here the only per-step work is a tensor addition."""
 import math
+import os
 import resource
 import sys
 import time
@@ -29,7 +30,8 @@ class EpochProgress:
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
         self.loss_count = count / env.world_size
         self.recorded = 0  # steps taken by this process, for its throughput
-        bar_wanted = env.is_main and sys.stderr.isatty()
+        # a bar on a terminal; on one of no width (`script` run without a terminal makes one) tqdm draws nothing
+        bar_wanted = env.is_main and sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
         self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{epochs}",
                         leave=False, dynamic_ncols=True) if bar_wanted else None
         if env.device.type == "cuda":
