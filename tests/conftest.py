@@ -116,8 +116,11 @@ def pytest_xdist_auto_num_workers(config) -> int:
 def children_temp_dir(tmp_path_factory):
     """TMPDIR, for the processes the tests start, under pytest's own folder, and deleted with it when every test
     passed: torchrun leaves an empty torchelastic_* folder in the temporary folder each time it starts, and a killed
-    process its multiprocessing pymp-* folder, some 200 a run of the suite left in /tmp."""
-    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("children-tmp"))
+    process its multiprocessing pymp-* folder, some 200 a run of the suite left in /tmp. Not where the folder's path
+    is long (macOS's /var/folders/...): a forkserver's socket, pymp-*/listener-*, must fit in 107 bytes."""
+    folder = str(tmp_path_factory.mktemp("children-tmp"))
+    if len(folder) <= 70:
+        os.environ["TMPDIR"] = folder
 
 
 @pytest.fixture(scope="module")
