@@ -1,6 +1,8 @@
 """Each bad input: one line on stderr naming the problem, exit status 2, nothing overwritten."""
 import importlib
 import socket
+import sys
+import time
 from types import SimpleNamespace
 
 import pytest
@@ -96,6 +98,8 @@ def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsy
     """torchrun starts N ranks (srun N tasks) that each parse the flags: local rank 0 prints, the others exit as it
     does, silently (or a bad flag's line and --help would come N times, one a rank)."""
     import distributed
+    waits = []  # a silent rank exits after local rank 0 would have said why (torchrun stops the others at once)
+    monkeypatch.setattr(time, "sleep", waits.append)
     for variable, local_rank, prints in (("LOCAL_RANK", "1", False), ("LOCAL_RANK", "0", True),
                                          ("SLURM_LOCALID", "1", False)):
         monkeypatch.delenv("LOCAL_RANK", raising=False)
@@ -105,12 +109,19 @@ def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsy
         assert ("error: argument --epochs" in result.stderr) == prints and result.stderr.count("\n") == prints, result
         result = run_main(distributed.main, ["--help"], capsys)
         assert result.returncode == 0 and ("--batch-size" in result.stdout) == prints and result.stderr == "", result
+    assert waits == [30.0, 30.0]  # the bad flag's exits on the two silent ranks; not --help's (status 0)
 
 
 @pytest.mark.slow
-def test_a_bad_flag_under_torchrun_is_said_once(tmp_path):
-    result = run(launcher("torchrun", "distributed.py") + TINY + ["--epochs", "-1", "--output-dir",
-                                                                  str(tmp_path / "out")], timeout=120)
+def test_a_bad_flag_under_torchrun_is_said_once_even_when_local_rank_0_parses_last(tmp_path):
+    """Local rank 0 says it, though here it starts 3 s after rank 1: a CI run once had rank 1 exit first, silently,
+    and torchrun stop rank 0 before it had said anything; the silent ranks now wait for it."""
+    late_rank_0 = tmp_path / "late_rank_0.sh"  # torchrun --no-python starts this instead of python
+    late_rank_0.write_text(f'#!/bin/sh\n[ "$LOCAL_RANK" = 0 ] && sleep 3\nexec {sys.executable} "$@"\n')
+    late_rank_0.chmod(0o755)
+    command = launcher("torchrun", "distributed.py")
+    command[-1:-1] = ["--no-python", str(late_rank_0)]  # before the script: the wrapper runs python on it
+    result = run(command + TINY + ["--epochs", "-1", "--output-dir", str(tmp_path / "out")], timeout=120)
     assert result.returncode != 0 and result.stderr.count("error: argument --epochs") == 1, result.stderr[-3000:]
     assert not (tmp_path / "out").exists()
 
