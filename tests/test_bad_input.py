@@ -109,7 +109,9 @@ def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsy
         assert ("error: argument --epochs" in result.stderr) == prints and result.stderr.count("\n") == prints, result
         result = run_main(distributed.main, ["--help"], capsys)
         assert result.returncode == 0 and ("--batch-size" in result.stdout) == prints and result.stderr == "", result
-    assert waits == [30.0, 30.0]  # the bad flag's exits on the two silent ranks; not --help's (status 0)
+        result = run_main(distributed.main, ["--ip", "no-such-host.invalid"], capsys)  # found after the parsing
+        assert result.returncode == 2 and ("does not resolve" in result.stderr) == prints, result
+    assert waits == [30.0] * 4  # a bad flag and the bad --ip on the two silent ranks; not --help's exits (status 0)
 
 
 @pytest.mark.slow

@@ -3,8 +3,10 @@ import contextlib
 import os
 import signal
 import sys
+import time
 import traceback
 
+import torch.distributed as dist
 from tqdm import tqdm
 
 
@@ -27,13 +29,29 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
+def local_rank() -> str:
+    """This process's rank on its machine: torchrun's LOCAL_RANK, srun's SLURM_LOCALID, "0" when started alone."""
+    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
+
+
+SILENT_RANK_WAIT_S = 30.0
+
+
+def wait_for_local_rank_0() -> None:
+    """Before a rank exits with an error that local rank 0 alone reports: torchrun stops every rank once one exits,
+    so local rank 0 must fail first, or nobody says why. Before the process group only: the ranks may be seconds apart
+    there (importing torch, say); the rendezvous brings them together."""
+    if local_rank() != "0" and not (dist.is_available() and dist.is_initialized()):
+        time.sleep(SILENT_RANK_WAIT_S)
+
+
 def print_line(message: str, *, error: bool = True, local_rank_0_only: bool = False, rank_named: bool = False):
     """The collection's one printer of a line for the user: "<script>: error: <message>" on stderr (error=False: no
     "error: "), above rank 0's progress bar where stderr is a terminal. local_rank_0_only: under a launcher only
     local rank 0 of each machine prints it, so the N ranks of a machine do not repeat what all of them know (and a
     machine that cannot reach the others still says why). rank_named: "rank R: " before the message, when a
     launcher started this process (RANK is set): what only this rank knows."""
-    if local_rank_0_only and os.environ.get("LOCAL_RANK", "0") != "0":
+    if local_rank_0_only and local_rank() != "0":
         return
     rank = f"rank {os.environ['RANK']}: " if rank_named and "RANK" in os.environ else ""
     line = f"{os.path.basename(sys.argv[0]) or 'python'}: {'error: ' if error else ''}{rank}{message}"
@@ -79,6 +97,7 @@ def exit_on_error(crash_report=None):
         yield
     except OneLineError as error:
         print_line(str(error), local_rank_0_only=True)
+        wait_for_local_rank_0()
         exit_process(error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         # your datasets(), say: a path only this rank may lack
@@ -87,6 +106,7 @@ def exit_on_error(crash_report=None):
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
         if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
             print_line(rendezvous_line(error), local_rank_0_only=True)
+            wait_for_local_rank_0()
             exit_process(UsageError.exit_status)
         if crash_report is None:
             raise

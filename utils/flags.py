@@ -6,9 +6,8 @@ import os
 import re
 import socket
 import sys
-import time
 
-from utils.errors import UsageError
+from utils.errors import UsageError, local_rank, wait_for_local_rank_0
 
 
 class Parser(argparse.ArgumentParser):
@@ -22,20 +21,14 @@ class Parser(argparse.ArgumentParser):
     def error(self, message):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
-    silent_rank_wait_s = 30.0  # see exit()
-
     def _print_message(self, message, file=None):  # every rank of torchrun (or task of srun) parses the flags:
-        if _local_rank() == "0":  # local rank 0 alone prints --help or a bad flag's line
+        if local_rank() == "0":  # local rank 0 alone prints --help or a bad flag's line
             super()._print_message(message, file)
 
-    def exit(self, status=0, message=None):  # torchrun stops every rank once one exits, so local rank 0, which
-        if status and _local_rank() != "0":  # says why, must fail first: the others wait (it does within seconds)
-            time.sleep(self.silent_rank_wait_s)
+    def exit(self, status=0, message=None):
+        if status:
+            wait_for_local_rank_0()
         super().exit(status, message)
-
-
-def _local_rank() -> str:
-    return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))  # torchrun's, or srun's
 
 
 def group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
