@@ -29,20 +29,15 @@ def first_line(error: BaseException, limit: int = 160) -> str:
     return text.splitlines()[0][:limit] if text else type(error).__name__
 
 
-def local_rank() -> str:
-    """This process's rank on its machine: torchrun's LOCAL_RANK, srun's SLURM_LOCALID, "0" when started alone."""
+def local_rank() -> str:  # this process's rank on its machine: torchrun's LOCAL_RANK, srun's SLURM_LOCALID, or "0"
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
 
 
-SILENT_RANK_WAIT_S = 30.0
-
-
-def wait_for_local_rank_0() -> None:
-    """Before a rank exits with an error that local rank 0 alone reports: torchrun stops every rank once one exits,
-    so local rank 0 must fail first, or nobody says why. Before the process group only: the ranks may be seconds apart
-    there (importing torch, say); the rendezvous brings them together."""
+def wait_for_local_rank_0(seconds: float = 30.0) -> None:
+    """Before a rank exits silently with an error that local rank 0 reports: torchrun stops every rank once one exits,
+    and before the rendezvous local rank 0 may be seconds behind (importing torch, say): it must get to fail first."""
     if local_rank() != "0" and not (dist.is_available() and dist.is_initialized()):
-        time.sleep(SILENT_RANK_WAIT_S)
+        time.sleep(seconds)
 
 
 def print_line(message: str, *, error: bool = True, local_rank_0_only: bool = False, rank_named: bool = False):
