@@ -33,13 +33,6 @@ def local_rank() -> str:  # this process's rank on its machine: torchrun's LOCAL
     return os.environ.get("LOCAL_RANK", os.environ.get("SLURM_LOCALID", "0"))
 
 
-def wait_for_local_rank_0(seconds: float = 30.0) -> None:
-    """Before a rank exits silently with an error that local rank 0 reports: torchrun stops every rank once one exits,
-    and before the rendezvous local rank 0 may be seconds behind (importing torch, say): it must get to fail first."""
-    if local_rank() != "0" and not (dist.is_available() and dist.is_initialized()):
-        time.sleep(seconds)
-
-
 def print_line(message: str, *, error: bool = True, local_rank_0_only: bool = False, rank_named: bool = False):
     """The collection's one printer of a line for the user: "<script>: error: <message>" on stderr (error=False: no
     "error: "), above rank 0's progress bar where stderr is a terminal. local_rank_0_only: under a launcher only
@@ -73,6 +66,16 @@ def missing_file_line(error: OSError) -> str:
     return first_line(error, 200)
 
 
+def exit_with_line(message: str, status: int):
+    """Exit on an error every rank meets, said once a machine: local rank 0 prints its line, the others nothing. Before
+    the rendezvous they let it exit first: torchrun stops every rank once one exits, and local rank 0 may be seconds
+    behind them (importing torch, say), or nobody would say why."""
+    print_line(message, local_rank_0_only=True)
+    if local_rank() != "0" and not (dist.is_available() and dist.is_initialized()):
+        time.sleep(30.0)
+    exit_process(status)
+
+
 def exit_process(status: int):
     """Exit with status; DataLoader's SIGCHLD handler is removed first, or it would report the workers that
     the exit itself stops ("DataLoader worker exited unexpectedly", one traceback each)."""
@@ -91,18 +94,14 @@ def exit_on_error(crash_report=None):
     try:
         yield
     except OneLineError as error:
-        print_line(str(error), local_rank_0_only=True)
-        wait_for_local_rank_0()
-        exit_process(error.exit_status)
+        exit_with_line(str(error), error.exit_status)
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         # your datasets(), say: a path only this rank may lack
         print_line(f"{missing_file_line(error)} (check --data-dir and the paths given)", rank_named=True)
         exit_process(UsageError.exit_status)
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
         if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
-            print_line(rendezvous_line(error), local_rank_0_only=True)
-            wait_for_local_rank_0()
-            exit_process(UsageError.exit_status)
+            exit_with_line(rendezvous_line(error), UsageError.exit_status)
         if crash_report is None:
             raise
         crash_report(error)

@@ -7,7 +7,7 @@ import re
 import socket
 import sys
 
-from utils.errors import UsageError, local_rank, wait_for_local_rank_0
+from utils.errors import UsageError, exit_with_line, local_rank
 
 
 class Parser(argparse.ArgumentParser):
@@ -18,17 +18,12 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self.checks = []  # functions of the parsed args: a message says what is wrong, None that all is well
 
-    def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+    def error(self, message):  # every rank of torchrun (or task of srun) parses the flags: said once a machine
+        exit_with_line(f"{message} (see --help)", UsageError.exit_status)
 
-    def _print_message(self, message, file=None):  # every rank of torchrun (or task of srun) parses the flags:
-        if local_rank() == "0":  # local rank 0 alone prints --help or a bad flag's line
+    def _print_message(self, message, file=None):  # --help, likewise: printed by local rank 0 alone
+        if local_rank() == "0":
             super()._print_message(message, file)
-
-    def exit(self, status=0, message=None):
-        if status:
-            wait_for_local_rank_0()
-        super().exit(status, message)
 
 
 def group(parser: argparse.ArgumentParser, title: str) -> argparse._ArgumentGroup:
