@@ -33,7 +33,7 @@ import torch.distributed as dist
 from safety_net import checkpoint as checkpoints
 from safety_net import crash_report, metrics_log, profiling, stopping
 from safety_net.progress import EpochProgress
-from utils import flags
+from utils import errors, flags
 
 
 class SafetyNet:
@@ -149,8 +149,10 @@ class SafetyNet:
         return checkpoints.recorded_precision(self.options)
 
     def arm(self, env) -> None:
-        """Every rank, once the process group exists (collective: makes the stop agreement's gloo group)."""
+        """Every rank, once the process group exists (collective: makes the stop agreement's gloo group). From here on
+        an error every rank meets exits every rank at once (utils.errors.note_ranks_met)."""
         self.env = env
+        errors.note_ranks_met()
         # on the CPU the ranks meet at every step (DDP over gloo): a stop there waits for no further step
         self.stop.arm(env.world_size, one_step=env.device.type == "cpu", is_main=env.is_main)
         if self.profile_steps:

@@ -9,7 +9,7 @@ import pytest
 import torch
 from script_runs import TINY, check, launcher, run, run_main
 
-from utils import launch, spawn
+from utils import errors, launch, spawn
 from utils.errors import UsageError
 
 # Checked in-process, through each script's main(): these fail before any process would start.
@@ -112,6 +112,26 @@ def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsy
         result = run_main(distributed.main, ["--ip", "no-such-host.invalid"], capsys)  # found after the parsing
         assert result.returncode == 2 and ("does not resolve" in result.stderr) == prints, result
     assert waits == [30.0] * 4  # a bad flag and the bad --ip on the two silent ranks; not --help's exits (status 0)
+    monkeypatch.setattr(errors, "_ranks_met", True)  # once the ranks have met (SafetyNet.arm): no rank waits
+    monkeypatch.setenv("SLURM_LOCALID", "1")
+    result = run_main(distributed.main, ["--ip", "no-such-host.invalid"], capsys)
+    assert result.returncode == 2 and result.stderr == "" and waits == [30.0] * 4, (result, waits)
+
+
+@pytest.mark.parametrize("module", ["distributed", "distributed_mp", "distributed_apex",
+                                    "distributed_gradient_accumulation"])
+def test_under_torchrun_every_script_checks_its_flags_before_the_rendezvous(module, tmp_path, capsys, monkeypatch):
+    """A rank as torchrun starts it (RANK and WORLD_SIZE set): the spawn-style scripts' worker runs the checks that
+    distributed.py's main runs, so --evaluate on an empty folder gets the same line, before any process group (a
+    MASTER_PORT nobody listens on: reaching the rendezvous would fail with another line)."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)
+    result = run_main(importlib.import_module(module).main, TINY + ["--evaluate", "--output-dir", str(tmp_path)],
+                      capsys)
+    assert_one_line_error(result, f"no checkpoint at {tmp_path / 'checkpoint.pt'}")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.slow
@@ -129,11 +149,46 @@ def test_a_bad_flag_under_torchrun_is_said_once_even_when_local_rank_0_parses_la
 
 
 def test_cifar100_absent_says_where_and_what_to_do(tmp_path):
+    """Found by the spawned ranks after they met (utils.data.prepare agrees on it in a collective): every rank
+    exits at once, as its line is said, none waits for local rank 0 as before a rendezvous (30 s)."""
+    started = time.monotonic()
     result = run_bad(["spawn", "distributed_mp.py"], ["--dataset", "cifar100", "--data-dir", str(tmp_path / "d")],
                      tmp_path / "out")
+    assert time.monotonic() - started < 25, "the ranks had met: an error then needs no wait for local rank 0"
     assert_one_line_error(result, str(tmp_path / "d"))
     assert "cifar-100-python.tar.gz" in result.stderr and "--dataset synthetic" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("launch", ["torchrun", "spawn"])
+def test_an_error_after_the_rendezvous_returns_in_seconds(launch, tmp_path):
+    """Too few images for one batch, found in train() after the ranks met (2 CPU ranks): one line, and the shell
+    has its prompt back within seconds (was 31 s under torchrun, 39 s under spawn: the ranks but local rank 0 waited
+    30 s, a wait meant only for errors before the rendezvous, and the launcher's SIGTERM did not end it)."""
+    script = "distributed.py" if launch == "torchrun" else "distributed_mp.py"
+    started = time.monotonic()
+    result = run(launcher(launch, script) + TINY + ["--train-samples", "8", "--output-dir", str(tmp_path / "out")],
+                 timeout=120)
+    seconds = time.monotonic() - started
+    said = [line for line in result.stderr.splitlines() if "training images make no whole batch" in line]
+    assert result.returncode != 0 and len(said) == 1, result.stderr[-3000:]
+    # the starts of Python and torch (about 3 s each on 2 loaded cores) and torchrun's own, then no wait at all
+    assert seconds < 15, f"{seconds:.1f} s: after the rendezvous no rank should wait for local rank 0 (30 s)"
+
+
+@pytest.mark.slow
+def test_a_check_before_the_rendezvous_under_torchrun_returns_once_local_rank_0_has_said_it(tmp_path):
+    """distributed_mp.py under torchrun, --evaluate on an empty folder: its worker's checks refuse it before the
+    rendezvous (as distributed.py's main does), local rank 0 says it once, and rank 1's wait for it (meant for a
+    local rank 0 still importing torch) ends when torchrun stops it, not after 30 s."""
+    (tmp_path / "out").mkdir()
+    started = time.monotonic()
+    result = run(launcher("torchrun", "distributed_mp.py") + TINY + ["--evaluate", "--output-dir",
+                                                                     str(tmp_path / "out")], timeout=120)
+    seconds = time.monotonic() - started
+    assert result.returncode != 0 and result.stderr.count("error: no checkpoint at") == 1, result.stderr[-3000:]
+    assert seconds < 20, f"{seconds:.1f} s: torchrun's SIGTERM, once local rank 0 exits, should end rank 1's wait"
 
 
 @pytest.mark.slow

@@ -66,12 +66,26 @@ def missing_file_line(error: OSError) -> str:
     return first_line(error, 200)
 
 
+_ranks_met = False  # this process joined a process group: its ranks all reached the same line (note_ranks_met)
+
+
+def note_ranks_met() -> None:
+    """Say that the ranks have met (dist.init_process_group returned): from then on an error every rank meets exits at
+    once on every rank, even after dist.destroy_process_group (SafetyNet.arm calls this)."""
+    global _ranks_met
+    _ranks_met = True
+
+
 def exit_with_line(message: str, status: int):
-    """Exit on an error every rank meets, said once a machine: local rank 0 prints its line, the others nothing. Before
-    the rendezvous they let it exit first: torchrun stops every rank once one exits, and local rank 0 may be seconds
-    behind them (importing torch, say), or nobody would say why."""
+    """Exit on an error every rank meets, said once a machine: local rank 0 prints its line, the others nothing.
+    Before the ranks have met, the others let it exit first: torchrun stops every rank once one exits, and local rank
+    0 may be seconds behind them (importing torch, say), or nobody would say why. They wait at most 30 s, and a stop
+    signal (the launcher's, once local rank 0 has exited) ends the wait at once. After the ranks have met they all
+    reached this line together: no wait."""
     print_line(message, local_rank_0_only=True)
-    if local_rank() != "0" and not (dist.is_available() and dist.is_initialized()):
+    if local_rank() != "0" and not (_ranks_met or (dist.is_available() and dist.is_initialized())):
+        for signum in (signal.SIGTERM, signal.SIGINT):  # not the safety net's stop handler: torchrun's SIGTERM ends it
+            signal.signal(signum, signal.SIG_DFL)
         time.sleep(30.0)
     exit_process(status)
 
