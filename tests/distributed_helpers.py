@@ -52,3 +52,77 @@ def _load_and_delete(path):
     result = torch.load(path, weights_only=False)
     os.remove(path)
     return result
+
+
+# The model the scripts build, for runs that compare world sizes: in float32 two summation orders drift apart
+# chaotically after a few steps (0.003 in conv1 after 4 steps between 1 and 2 threads), in float64 they agree to
+# 1e-9; float64 convolutions are slow, so the images are averaged down to 8x8 first (the question is the same).
+def _float64_on_8x8(build):
+    def model(*args, **kwargs):
+        net = build(*args, **kwargs).double()
+        net.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0].double(), 4),))
+        return net
+    return model
+
+
+def _groupnorm(build):  # no batch statistics: micro-batches then add up to the whole batch exactly
+    def model(*args, **kwargs):
+        net = build(*args, **kwargs)
+        for module in list(net.modules()):
+            for name, child in module.named_children():
+                if isinstance(child, torch.nn.BatchNorm2d):
+                    setattr(module, name, torch.nn.GroupNorm(8, child.num_features))
+        return net
+    return model
+
+
+SEEN = set()  # the dtypes the first convolution computed in, training and evaluating: "train float16", ...
+
+
+def _float32_on_8x8_seen(build):  # as the script's precision flags make it: autocast's dtype recorded in SEEN
+    def model(*args, **kwargs):
+        net = build(*args, **kwargs)
+        net.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0], 4),))
+        net.conv1.register_forward_hook(lambda conv, _, out: SEEN.add(f"{'train' if conv.training else 'eval'} "
+                                                                      f"{str(out.dtype).split('.')[1]}"))
+        return net
+    return model
+
+
+MODELS = {"float64": [_float64_on_8x8], "float64-groupnorm": [_groupnorm, _float64_on_8x8],
+          "float32-8x8": [_float32_on_8x8_seen]}
+
+
+def _script_entry(rank, world_size, port, script, argv, model, results_dir):
+    import runpy
+    import sys
+
+    from utils import models
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    for change in MODELS[model]:
+        models.resnet18_cifar = change(models.resnet18_cifar)
+    sys.argv = [script, *argv]
+    try:
+        runpy.run_path(script, run_name="__main__")
+        status = 0
+    except SystemExit as exited:
+        status = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
+    with open(os.path.join(results_dir, f"status-{rank}"), "w") as f:
+        f.write(str(status))
+    with open(os.path.join(results_dir, f"seen-{rank}"), "w") as f:
+        f.write(" ".join(sorted(SEEN)))
+
+
+def script_on_ranks(world_size: int, script: str, argv: list[str], results_dir, model: str = "float64") -> list[int]:
+    """The script itself, as torchrun would start it on world_size ranks (RANK, WORLD_SIZE, MASTER_ADDR, ... set; the
+    spawn scripts then start no processes of their own), each rank forked from a server that imported torch once;
+    its model built as the script builds it, then changed as MODELS[model] says. Returns each rank's exit status."""
+    from pathlib import Path
+    os.makedirs(results_dir, exist_ok=True)
+    path = str(Path(__file__).resolve().parent.parent / script)
+    new_processes()
+    mp.start_processes(_script_entry, args=(world_size, free_port(), path, argv, model, str(results_dir)),
+                       nprocs=world_size, start_method="forkserver")
+    return [int(Path(results_dir, f"status-{r}").read_text()) for r in range(world_size)]

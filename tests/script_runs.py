@@ -46,7 +46,8 @@ def run(cmd: list[str], timeout: int = 300, **env) -> subprocess.CompletedProces
 def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     """main(argv) in pytest's own process, reported as `run` reports a subprocess: for inputs refused before
     any process group forms, where a subprocess would spend its 3 seconds importing torch. The stop-signal
-    handlers a script installs are undone."""
+    handlers a script installs are undone, and so is its note that its ranks had met."""
+    from utils import errors
     environment = dict(os.environ)  # launch.this_process fills in MASTER_ADDR/MASTER_PORT for a world of one
     try:
         with stop_handlers_undone():
@@ -57,6 +58,7 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     finally:
         os.environ.clear()
         os.environ.update(environment)
+        errors._ranks_met = False  # what SafetyNet.arm noted of this process: the next main() starts anew
     said = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, said.out, said.err)
 

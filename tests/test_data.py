@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 import torchvision
-from script_parts import evaluation_loader, train_loader
+from script_parts import SHARDING, loaders, train_loader
 
 from utils import data
 from utils.errors import UsageError
@@ -100,13 +100,14 @@ def sampler_of(dataset, rank, world_size, seed=7):
     return data.ResumableDistributedSampler(dataset, num_replicas=world_size, rank=rank, seed=seed, drop_last=True)
 
 
+@pytest.mark.parametrize("script", SHARDING)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_global_batches_are_the_same_at_every_world_size(world_size):
+def test_global_batches_are_the_same_at_every_world_size(world_size, script):
     dataset = data.Images(*data.synthetic(50, train=True), augment=False, seed=0)
     samplers = [sampler_of(dataset, r, world_size) for r in range(world_size)]
     one = sampler_of(dataset, 0, 1)
-    reference = train_loader(dataset, one, 6)
-    loaders = [train_loader(dataset, s, 6 // world_size) for s in samplers]
+    reference = train_loader(dataset, one, 6, script="distributed.py")
+    loaders = [train_loader(dataset, s, 6 // world_size, script=script) for s in samplers]
     for epoch in (0, 1):
         for sampler in [one, *samplers]:
             sampler.set_epoch(epoch)
@@ -196,15 +197,21 @@ def _indices(loader, dataset):
         yield [int((flat == img.flatten()).all(1).nonzero()[0]) for img in images]
 
 
+@pytest.mark.parametrize("script", [*SHARDING, "dataparallel.py"])
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_test_shards_cover_the_test_set_exactly_once(world_size):
+def test_test_shards_cover_the_test_set_exactly_once(world_size, script):
+    """Each script's own test loader: its ranks' shards hold every test image once (10 images: 3 and 4 ranks do not
+    divide them, where torch's DistributedSampler would pad the shards with repeats)."""
+    if script == "dataparallel.py" and world_size > 1:
+        pytest.skip("one process")
     dataset = data.Images(*data.synthetic(10, train=False), augment=False, seed=0)
-    shards = [evaluation_loader(dataset, 4, rank, world_size) for rank in range(world_size)]
-    seen = [i for shard in shards for i in shard.sampler]
-    assert sorted(seen) == list(range(10))
+    shards = [loaders(script, dataset, dataset, sampler_of(dataset, rank, world_size), 4, rank, world_size)[1]
+              for rank in range(world_size)]
+    seen = [i for shard in shards for i in (shard.sampler if shard.sampler is not None else range(len(dataset)))]
+    assert sorted(seen) == list(range(10)), script
     # and the batches are those images, each once
     batches = [targets for shard in shards for _, targets in shard]
-    assert sorted(torch.cat(batches).tolist()) == sorted(dataset.targets.tolist())
+    assert sorted(torch.cat(batches).tolist()) == sorted(dataset.targets.tolist()), script
 
 
 def test_the_class_count_comes_from_the_data(tmp_path):

@@ -52,7 +52,7 @@ def test_script_trains_and_writes_its_outputs(runs, name):
 def test_launchers_give_the_same_weights_bit_for_bit(runs, name):
     """Every launch of 2 float32 ranks does the same arithmetic, and so does every single process:
     the weights after 3 steps are equal to the last bit. (Across world sizes float32 sums in another
-    order; test_ddp_equivalence.py shows 2 ranks == 1 process in float64.)"""
+    order; test_scripts_equal.py shows 2 and 3 ranks == 1 process in float64.)"""
     reference = "one-process" if EQUIVALENT[name][0] == "python" else "torchrun"
     expected, got = load_checkpoint(get(runs, reference)), load_checkpoint(get(runs, name))
     for key, tensor in expected["model"].items():

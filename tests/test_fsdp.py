@@ -2,7 +2,8 @@
 any world size.
 
 The equality is proven in float64 with the real model, CpuSyncBatchNorm, the script's own shard() and
-train_one_epoch, and SGD with its cosine schedule; float32 cannot settle it (tests/test_ddp_equivalence.py).
+train_one_epoch, and its own lines for SGD and the cosine schedule; float32 cannot settle it
+(tests/test_scripts_equal.py).
 """
 import contextlib
 import errno
@@ -13,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from distributed_helpers import LossesKept, on_ranks
-from script_parts import sgd_with_cosine
+from script_parts import optimizer_and_schedule
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
@@ -79,7 +80,7 @@ def continue_sharded(rank, world_size, output_dir, and_the_bfloat16_policy=False
     mesh = sharding.hsdp_mesh(env_of(rank, world_size), replicas)
     model = script.shard(fresh_model(), None, reshard=True, mesh=mesh)
     args = run_args(output_dir)
-    optimizer, scheduler = sgd_with_cosine(model, args)
+    optimizer, scheduler = optimizer_and_schedule("distributed_fsdp.py", model, args)
     checkpoint = ShardedCheckpoint(Options.from_flags(args, sharded=True), env_of(rank, world_size),
                                    "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     epoch, step = checkpoint.resume()
@@ -98,7 +99,7 @@ def on_every_world_size(rank, world_size, output_dir):
     for name in ("ddp", "fsdp", "fsdp, one unit"):
         units = "model" if name == "fsdp, one unit" else "stages"
         model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, True, units)
-        optimizer, _ = sgd_with_cosine(model, run_args())
+        optimizer, _ = optimizer_and_schedule("distributed_fsdp.py", model, run_args())
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = full_state(model)
         if name == "fsdp, one unit":  # one unit holds 1/N of each weight as the stages do
@@ -125,7 +126,7 @@ def hsdp_against_ddp(rank, world_size, output_dir):
     for name in ("ddp", "hsdp"):
         mesh = sharding.hsdp_mesh(env_of(rank, world_size), 2)
         model = DDP(fresh_model()) if name == "ddp" else script.shard(fresh_model(), None, True, mesh=mesh)
-        optimizer, _ = sgd_with_cosine(model, run_args())
+        optimizer, _ = optimizer_and_schedule("distributed_fsdp.py", model, run_args())
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = full_state(model)
     return {**results, "continued": continue_sharded(rank, world_size, output_dir, replicas=2)}
@@ -244,7 +245,7 @@ def world_of_one():
 
 def test_a_failed_sharded_save_is_one_error_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, world_of_one):
     model = fully_shard(nn.Linear(200, 100))
-    optimizer, scheduler = sgd_with_cosine(model, run_args())
+    optimizer, scheduler = optimizer_and_schedule("distributed_fsdp.py", model, run_args())
     saver = ShardedCheckpoint(Options.from_flags(run_args(tmp_path, keep=1), sharded=True), world_of_one,
                               "distributed_fsdp.py", model=model, optimizer=optimizer, scheduler=scheduler)
     saver.save(epoch=1)

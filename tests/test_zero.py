@@ -2,7 +2,7 @@
 of the optimizer state, and its checkpoints (the state gathered on rank 0) continue a run at any world size.
 
 The equality is proven in float64 with the real model, CpuSyncBatchNorm and the script's own train_one_epoch, as
-tests/test_fsdp.py proves FSDP's; the optimizer is built as the script builds it.
+tests/test_fsdp.py proves FSDP's; the optimizer and schedule are the script's own lines.
 """
 import json
 import os
@@ -13,11 +13,11 @@ import pytest
 import torch
 from distributed_helpers import LossesKept, on_ranks
 from processes import Run
+from script_parts import optimizer_and_schedule
 from script_runs import TINY, check, launcher, read_metrics, run
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.optim.lr_scheduler import CosineAnnealingLR
 
 import distributed_zero as script
 from benchmarks.sharding import optimizer_state_bytes
@@ -53,10 +53,10 @@ def fresh_ddp():
 
 
 def zero_with_cosine(model, args):
-    """distributed_zero.py's optimizer and schedule, as its train() builds them (--optimizer-impl auto)."""
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr,
-                                        momentum=args.momentum, weight_decay=args.weight_decay)
-    return optimizer, CosineAnnealingLR(optimizer, T_max=args.epochs)
+    """distributed_zero.py's optimizer and schedule: its train()'s own lines (tests/script_parts.py)."""
+    optimizer, scheduler = optimizer_and_schedule("distributed_zero.py", model, args)
+    assert isinstance(optimizer, ZeroRedundancyOptimizer)
+    return optimizer, scheduler
 
 
 def train_steps(model, optimizer, rank, world_size, steps: slice):

@@ -45,9 +45,12 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
 
     @classmethod
     def convert(cls, module: nn.Module, process_group=None) -> nn.Module:
-        """Each BatchNorm2d replaced by a CpuSyncBatchNorm with its values, synchronised over `process_group`."""
+        """Each BatchNorm2d replaced by a CpuSyncBatchNorm with its values, dtype and device, synchronised over
+        `process_group`."""
         if isinstance(module, nn.BatchNorm2d) and not isinstance(module, cls):
-            new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats)
+            like = module.weight if module.affine else module.running_mean  # a float64 model stays float64
+            new = cls(module.num_features, module.eps, module.momentum, module.affine, module.track_running_stats,
+                      **({"dtype": like.dtype, "device": like.device} if like is not None else {}))
             new.load_state_dict(module.state_dict())
             new.train(module.training)
             new.process_group = process_group

@@ -1,0 +1,151 @@
+"""Each script's own lines under test: every script, started as torchrun starts it (tests/distributed_helpers.py's
+script_on_ranks: its ranks forked from a server that imported torch once), trains on the same global batches the
+weights, BatchNorm statistics and momentum that one process of distributed.py trains, and counts every test image
+once. What runs is the script itself: its flags, SyncBatchNorm conversion, DDP (or ZeRO-1, FSDP, DataParallel) wrap,
+sampler, DataLoaders, optimizer and schedule, safety net and checkpoint; only its model computes in float64 on 8x8
+averages of the images (float32 cannot compare world sizes: two summation orders drift apart chaotically within a
+few steps, in float64 they stay within 1e-7 here), and for accumulation has GroupNorm for BatchNorm (whose statistics
+per micro-batch differ from the whole batch's by design).
+
+2 epochs of one step of a global batch of 12 (momentum and the cosine schedule both act on the second), 23 test images
+(no world size of 2 or 3 divides them: a padded shard would count one twice).
+"""
+import functools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from distributed_helpers import script_on_ranks
+
+from safety_net.sharded_checkpoint import to_single_file
+
+TEST_IMAGES = 23
+ARGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "12", "--test-samples", str(TEST_IMAGES),
+        "--batch-size", "12", "--epochs", "2", "--lr", "0.1", "--workers", "0", "--print-freq", "100"]
+RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its own flags
+    "one process": ("distributed.py", 1, "float64", []),
+    "distributed.py on 3 ranks": ("distributed.py", 3, "float64", []),
+    "distributed_mp.py on 2 ranks": ("distributed_mp.py", 2, "float64", []),
+    "distributed_apex.py on 2 ranks": ("distributed_apex.py", 2, "float64", ["--opt-level", "O0"]),
+    # one epoch, against the reference's first (checkpoint.1.pt): each checkpoint of ZeRO-1 gathers the optimizer
+    # state on rank 0 first, 3 s here
+    "distributed_zero.py on 2 ranks": ("distributed_zero.py", 2, "float64", ["--epochs", "1"]),
+    "distributed_fsdp.py on 2 ranks": ("distributed_fsdp.py", 2, "float64", ["--opt-level", "O0"]),
+    "dataparallel.py": ("dataparallel.py", 1, "float64", []),
+    "accumulation of 2 on 2 ranks": ("distributed_gradient_accumulation.py", 2, "float64-groupnorm",
+                                     ["--grad-accu-steps", "2"]),
+    "no accumulation in one process": ("distributed_gradient_accumulation.py", 1, "float64-groupnorm",
+                                       ["--grad-accu-steps", "1"]),
+    # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
+    "float16": ("distributed_apex.py", 1, "float32-8x8", ["--amp-dtype", "float16", "--batch-size", "4",
+                                                          "--test-samples", "5"]),
+}
+SAME_AS_ONE_PROCESS = [name for name, (_, _, model, _) in RUNS.items() if model == "float64" and name != "one process"]
+# float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
+# SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
+RTOL, ATOL = 1e-6, 1e-9
+
+
+@pytest.fixture(scope="module")
+def run(module_dir):
+    """run(name): the folder of RUNS[name], made once for the module (in order of asking)."""
+    out = module_dir("scripts-equal")
+
+    @functools.cache
+    def made(name: str) -> Path:
+        script, world_size, model, flags = RUNS[name]
+        folder = out / name.replace(" ", "-")
+        statuses = script_on_ranks(world_size, script, ARGS + flags + ["--output-dir", str(folder)],
+                                   out / f"{name.replace(' ', '-')}-ranks", model)
+        assert statuses == [0] * world_size, f"{name}: exit statuses {statuses}"
+        return folder
+    return made
+
+
+def last(flag: str, name: str) -> int:
+    """The value of the last `flag` on the command line of RUNS[name], as argparse reads it."""
+    flags = ARGS + RUNS[name][3]
+    return int(flags[len(flags) - flags[::-1].index(flag)])
+
+
+def saved(folder: Path) -> dict:
+    """The run's checkpoint: checkpoint.pt, or FSDP's sharded one as one file (its own converter)."""
+    if (folder / "checkpoint.dcp").is_dir():
+        return to_single_file(str(folder / "checkpoint.dcp"), str(folder / "converted.pt"))
+    return torch.load(folder / "checkpoint.pt", map_location="cpu", weights_only=True)
+
+
+def metrics(folder: Path) -> list[dict]:
+    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+
+
+def assert_same_training(got: dict, expected: dict, name: str, momentum: bool = True) -> None:
+    """Weights and BatchNorm buffers (and each parameter's momentum, where both number them alike) equal."""
+    assert got["model"].keys() == expected["model"].keys(), name
+    for key, value in expected["model"].items():
+        torch.testing.assert_close(got["model"][key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
+    state, reference = got["optimizer"]["state"], expected["optimizer"]["state"]
+    if momentum and state.keys() == reference.keys():
+        for index in reference:
+            torch.testing.assert_close(state[index]["momentum_buffer"], reference[index]["momentum_buffer"],
+                                       rtol=RTOL, atol=ATOL, msg=f"{name}: momentum of parameter {index}")
+
+
+def test_the_reference_trained_every_step(run):
+    """The one-process run moved its weights (a step of rate 0.1, then one of 0.05: the cosine's second epoch), so the
+    comparisons below can fail."""
+    one = saved(run("one process"))
+    assert (one["epoch"], one["world_size"]) == (2, 1)
+    assert [m["lr"] for m in metrics(run("one process"))] == [0.1, pytest.approx(0.05)]
+    assert moved(run("one process")) > 1e-3
+
+
+def moved(folder: Path) -> float:
+    """How far the second epoch moved conv1's weights: from the checkpoint it kept of the first (checkpoint.1.pt)."""
+    first, last = (torch.load(folder / name, weights_only=True) for name in ("checkpoint.1.pt", "checkpoint.pt"))
+    return float((first["model"]["conv1.weight"] - last["model"]["conv1.weight"]).abs().max())
+
+
+@pytest.mark.parametrize("name", SAME_AS_ONE_PROCESS)
+def test_each_script_trains_the_weights_of_one_process(name, run):
+    """DDP with SyncBatchNorm on 3 ranks and launched by spawn's worker on 2, mixed precision's script in float32,
+    ZeRO-1, FSDP and DataParallel: each the weights, BatchNorm statistics, momentum and losses of one process."""
+    one, epochs = run("one process"), metrics(run(name))
+    expected = saved(one) if len(epochs) == 2 else torch.load(one / "checkpoint.1.pt", weights_only=True)
+    assert_same_training(saved(run(name)), expected, name)
+    for epoch, expected in zip(epochs, metrics(one), strict=False):
+        for key in ("train_loss", "test_loss", "top1", "top5", "lr"):
+            assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
+
+
+@pytest.mark.parametrize("name", list(RUNS))
+def test_each_script_evaluates_every_test_image_once(name, run):
+    """At 1, 2 and 3 ranks, each script's own test loader (and FSDP's padded shard) counts each of the 23 test
+    images once, every epoch."""
+    assert [epoch["samples"] for epoch in metrics(run(name))] == [last("--test-samples", name)] * last("--epochs", name)
+
+
+def test_accumulating_two_micro_batches_on_two_ranks_equals_the_whole_batch_in_one_process(run):
+    """distributed_gradient_accumulation.py: each rank's 6 images in 2 micro-batches of 3 under no_sync, on 2 ranks,
+    train the weights of the whole batch of 12 at once in one process (GroupNorm: no batch statistics), and log the
+    same losses (every micro-batch's)."""
+    accumulated, whole = run("accumulation of 2 on 2 ranks"), run("no accumulation in one process")
+    assert_same_training(saved(accumulated), saved(whole), "accumulation")
+    for epoch, expected in zip(metrics(accumulated), metrics(whole), strict=True):
+        assert epoch["train_loss"] == pytest.approx(expected["train_loss"], rel=RTOL), (epoch, expected)
+
+
+def test_mixed_precision_runs_autocast_and_scales_the_loss_as_the_script_builds_them(run):
+    """distributed_apex.py --amp-dtype float16, its model in float32: the convolutions computed in float16 in
+    training and evaluation (autocast), and the GradScaler's scale came down from 65536 (its update() after a step
+    whose scaled gradients overflowed, a step it skipped: the first steps of this model do), while the run stayed
+    finite and trained on."""
+    folder = run("float16")
+    seen = (folder.parent / "float16-ranks" / "seen-0").read_text()
+    assert seen == "eval float16 train float16", seen
+    state = saved(folder)
+    assert state["resolved"]["precision"] == "float16" and state["resolved"]["loss_scaling"], state["resolved"]
+    assert state["scaler"]["scale"] < 65536.0, state["scaler"]
+    assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
+    assert moved(folder) > 1e-4  # a step of the second epoch was taken, unscaled
