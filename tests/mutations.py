@@ -82,8 +82,8 @@ def quick_subset(tree: Path, timeout: int) -> tuple[str, float, str]:
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.stdout, flags=re.MULTILINE)
     if result.returncode == 0:
         return "survived", seconds, ""
-    if result.returncode == 1:
-        return "caught", seconds, failed[0] if failed else ""
+    if failed:  # exit status 1, or 2 where xdist stopped the run at the first failure
+        return "caught", seconds, failed[0]
     return f"error (pytest exit {result.returncode})", seconds, result.stdout[-500:]
 
 
