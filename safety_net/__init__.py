@@ -205,10 +205,11 @@ class SafetyNet:
             self.profiler.start()
         return start_step
 
-    def step_done(self, loss: torch.Tensor) -> bool:
+    def step_done(self, loss: torch.Tensor | None) -> bool:
         """Every rank, after each optimizer step (collectives: the stop flag all-reduced every step on a gloo
         group of its own, the loss every --print-freq steps, a checkpoint every --save-every-steps). The loss is
-        summed on the device; a non-finite one stops the run (Diverged). True once every rank knows of a stop
+        summed on the device (None: this rank has none, a pipeline's stage but the last); a non-finite one stops the
+        run (Diverged). True once every rank knows of a stop
         signal: leave the epoch's loop."""
         if self.profiler:  # --profile-steps: the step ends here in the trace; the last recorded one writes it
             self.profiler.step()

@@ -39,12 +39,14 @@ class EpochProgress:
         self.start = time.perf_counter()
         self.end = None  # when the epoch's last step was done
 
-    def record(self, loss: torch.Tensor) -> None:
-        """Call once per optimizer step, on every rank, with that step's mean training loss. Every
-        --print-freq steps, and at this process's first step of each epoch: one all-reduce of the loss,
-        printed by rank 0; a non-finite one raises Diverged."""
-        self.loss_sum += loss.detach().float()
-        self.loss_count += 1
+    def record(self, loss: torch.Tensor | None) -> None:
+        """Call once per optimizer step, on every rank, with that step's mean training loss (None on a rank that has
+        none: a pipeline's stages but the last). Every --print-freq steps, and at this process's first step of each
+        epoch: one all-reduce of the loss, printed by rank 0; a non-finite one raises Diverged."""
+        held = loss is not None
+        loss = loss.detach().float() if held else torch.zeros((), device=self.env.device)
+        self.loss_sum += loss
+        self.loss_count += held
         self.recorded += 1
         self.step += 1
         if self.bar:
@@ -55,8 +57,9 @@ class EpochProgress:
             self.end = time.perf_counter()
         if self.step % self.print_freq and self.recorded > 1:  # and each epoch's first step: a line within seconds
             return
-        step_loss, epoch_sum = (collectives.all_reduce_sum(torch.stack([loss.detach().float(), self.loss_sum]))
-                                / self.env.world_size).tolist()
+        losses = torch.stack([loss, torch.tensor(float(held), device=loss.device), self.loss_sum])
+        step_sum, holders, epoch_sum = collectives.all_reduce_sum(losses).tolist()
+        step_loss = step_sum / holders  # the mean over the ranks that hold a loss
         self.check_finite(epoch_sum)
         if self.env.is_main:
             if self.log:

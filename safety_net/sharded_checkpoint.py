@@ -92,7 +92,7 @@ class ShardedCheckpoint(Checkpoint):
         """The model and optimizer from the shards in `path`, resharded to this world size; the scheduler
         from its header `state`."""
         if "model" in state:
-            raise UsageError(f"{path} is a single-file checkpoint; distributed_fsdp.py continues from a sharded "
+            raise UsageError(f"{path} is a single-file checkpoint; {self.script} continues from a sharded "
                              "one (a directory), or starts a new run from these weights with --init-from")
         model, optimizer = self.parts["model"], self.parts["optimizer"]
         shards = self.state_dicts()
@@ -115,8 +115,7 @@ class ShardedCheckpoint(Checkpoint):
         """Every rank writes its shard into checkpoint.dcp.tmp, rank 0 the header, then rank 0 renames it
         to checkpoint.dcp. Weights that are not finite on any rank raise Diverged on every rank and
         overwrite nothing; a failed write on any rank raises StorageError on every rank."""
-        for buffer in self.parts["model"].buffers():  # not sharded: DCP writes one rank's copy, so make it rank 0's
-            torch.distributed.broadcast(buffer, src=0)
+        self.same_buffers_everywhere()
         shards = self.state_dicts()
         floats = [_local(t) for t in shards["model"].values() if t.is_floating_point()]
         finite = bool(torch.stack([torch.isfinite(t).all() for t in floats]).all().item())
@@ -144,11 +143,34 @@ class ShardedCheckpoint(Checkpoint):
                 shutil.rmtree(tmp, ignore_errors=True)
             raise self._storage_error(error, shards)
 
+    def same_buffers_everywhere(self) -> None:
+        """Every rank (collective: a broadcast per buffer): the BatchNorm statistics, which are not sharded and which
+        DCP writes from one rank, made rank 0's on every rank first."""
+        for buffer in self.parts["model"].buffers():
+            torch.distributed.broadcast(buffer, src=0)
+
     def _storage_error(self, error, shards: dict) -> StorageError:
         reason = "another rank's write failed" if error is None else (
             getattr(error, "strerror", None) or str(error).strip().splitlines()[-1][:160])
         needed = f"this rank's shard needs about {checkpoint.nbytes(shards) / 2**20:.0f} MB"
         return checkpoint.storage_error(self.path, reason, needed, sharded=True)
+
+
+class PipelineCheckpoint(ShardedCheckpoint):
+    """distributed_pipeline.py's checkpoints: each rank (stage) writes the weights and optimizer state of the layers
+    it holds, keyed by their names in the whole model, so the checkpoint holds the whole model once and a later run
+    reads each stage's part at any number of stages."""
+
+    def same_buffers_everywhere(self) -> None:
+        """Nothing to agree on: each stage's BatchNorm statistics are its own layers', held by that rank alone."""
+
+    def set_weights(self, weights: dict, source: str) -> None:
+        """Full weights (another script's checkpoint, --init-from): this stage keeps those of its own layers."""
+        own = self.parts["model"].state_dict().keys()
+        missing = [key for key in own if key not in weights]
+        if missing:
+            raise UsageError(f"{source} holds weights of another architecture (no {missing[0]})")
+        self.parts["model"].load_state_dict({key: weights[key] for key in own})
 
 
 def to_single_file(sharded: str, out: str) -> dict:

@@ -56,11 +56,12 @@ def _load_and_delete(path):
 
 # The model the scripts build, for runs that compare world sizes: in float32 two summation orders drift apart
 # chaotically after a few steps (0.003 in conv1 after 4 steps between 1 and 2 threads), in float64 they agree to
-# 1e-9; float64 convolutions are slow, so the images are averaged down to 8x8 first (the question is the same).
+# 1e-9; float64 convolutions are slow, so the images are averaged down to 8x8 first (the question is the same), as
+# conv1's input (the first layer, whatever runs it: the model, or a pipeline's first stage).
 def _float64_on_8x8(build):
     def model(*args, **kwargs):
         net = build(*args, **kwargs).double()
-        net.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0].double(), 4),))
+        net.conv1.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0].double(), 4),))
         return net
     return model
 
@@ -82,7 +83,7 @@ SEEN = set()  # the dtypes the first convolution computed in, training and evalu
 def _float32_on_8x8_seen(build):  # as the script's precision flags make it: autocast's dtype recorded in SEEN
     def model(*args, **kwargs):
         net = build(*args, **kwargs)
-        net.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0], 4),))
+        net.conv1.register_forward_pre_hook(lambda _, inputs: (torch.nn.functional.avg_pool2d(inputs[0], 4),))
         net.conv1.register_forward_hook(lambda conv, _, out: SEEN.add(f"{'train' if conv.training else 'eval'} "
                                                                       f"{str(out.dtype).split('.')[1]}"))
         return net

@@ -38,10 +38,17 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
     "no accumulation in one process": ("distributed_gradient_accumulation.py", 1, "float64-groupnorm",
                                        ["--grad-accu-steps", "1"]),
     # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
+    # the pipeline: its micro-batches against one process accumulating the same ones (BatchNorm per micro-batch)
+    "pipeline, 1F1B on 2 stages": ("distributed_pipeline.py", 2, "float64", ["--microbatches", "4"]),
+    "pipeline, GPipe on 3 stages": ("distributed_pipeline.py", 3, "float64", ["--microbatches", "4", "--schedule",
+                                                                              "gpipe"]),
+    "4 micro-batches in one process": ("distributed_gradient_accumulation.py", 1, "float64",
+                                       ["--grad-accu-steps", "4"]),
     "float16": ("distributed_apex.py", 1, "float32-8x8", ["--amp-dtype", "float16", "--batch-size", "4",
                                                           "--test-samples", "5"]),
 }
-SAME_AS_ONE_PROCESS = [name for name, (_, _, model, _) in RUNS.items() if model == "float64" and name != "one process"]
+SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
+    name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags)]
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
 # SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
 RTOL, ATOL = 1e-6, 1e-9
@@ -149,3 +156,21 @@ def test_mixed_precision_runs_autocast_and_scales_the_loss_as_the_script_builds_
     assert state["scaler"]["scale"] < 65536.0, state["scaler"]
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert moved(folder) > 1e-4  # a step of the second epoch was taken, unscaled
+
+
+@pytest.mark.parametrize("name", ["pipeline, 1F1B on 2 stages", "pipeline, GPipe on 3 stages"])
+def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_batches(name, run):
+    """distributed_pipeline.py, each stage on its own rank holding its own layers: the weights, BatchNorm statistics
+    and losses of distributed_gradient_accumulation.py in one process cutting each batch into the same 4
+    micro-batches (BatchNorm normalises each micro-batch alone, in both). Its checkpoint, written a stage a rank,
+    holds the whole model under distributed.py's names."""
+    pipeline, reference = saved(run(name)), saved(run("4 micro-batches in one process"))
+    assert_same_training(pipeline, reference, name, momentum=False)  # momentum: by name here, by index there
+    names = [key for key in reference["model"] if not key.endswith(("running_mean", "running_var", "tracked"))]
+    for index, key in enumerate(names):
+        torch.testing.assert_close(pipeline["optimizer"]["state"][key]["momentum_buffer"],
+                                   reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
+                                   msg=f"{name}: momentum of {key}")
+    for epoch, expected in zip(metrics(run(name)), metrics(run("4 micro-batches in one process")), strict=True):
+        for key in ("train_loss", "test_loss", "top1", "lr"):
+            assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)

@@ -81,9 +81,9 @@ def add_training_flags(parser: Parser) -> None:
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
 
 
-def add_device_flags(parser: Parser, process_group: bool = True) -> None:
+def add_device_flags(parser: Parser, process_group: bool = True, sync_bn: bool = True) -> None:
     """--device, in the group "processes and devices"; `process_group` adds the flags of a script with one process
-    per device: --backend, --dist-timeout and --no-sync-bn."""
+    per device: --backend, --dist-timeout and (unless not `sync_bn`: no BatchNorm spans ranks) --no-sync-bn."""
     procs = group(parser, "processes and devices")
     procs.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                        help="auto: cuda when a GPU is visible")
@@ -93,8 +93,9 @@ def add_device_flags(parser: Parser, process_group: bool = True) -> None:
                        help="process-group backend; auto: nccl on GPU, gloo on CPU")
     procs.add_argument("--dist-timeout", type=positive_int, default=300, metavar="SECONDS",
                        help="how long a collective waits for a missing rank before the run fails")
-    procs.add_argument("--no-sync-bn", action="store_true",
-                       help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
+    if sync_bn:
+        procs.add_argument("--no-sync-bn", action="store_true",
+                           help="keep per-rank BatchNorm instead of converting it to SyncBatchNorm")
 
 
 def add_torchrun_flags(parser: Parser) -> None:

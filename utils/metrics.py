@@ -34,11 +34,21 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
         targets = targets.to(device, non_blocking=True)
         with amp:
             logits = model(images)
-        logits = logits.float()
-        hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == targets[:, None]  # top-5 of 5+ classes
-        totals += torch.stack([F.cross_entropy(logits, targets, reduction="sum").double(),
-                               hits[:, 0].sum().double(), hits.any(dim=1).sum().double(),
-                               torch.tensor(len(targets), dtype=torch.float64, device=device)])
+        totals += counts(logits, targets)
+    return results(totals)
+
+
+def counts(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """[loss sum, top-1 hits, top-5 hits, images] of one batch, in float64 on the logits' device."""
+    logits = logits.float()
+    hits = logits.topk(min(5, logits.shape[1]), dim=1).indices == targets[:, None]  # top-5 of 5+ classes
+    return torch.stack([F.cross_entropy(logits, targets, reduction="sum").double(), hits[:, 0].sum().double(),
+                        hits.any(dim=1).sum().double(),
+                        torch.tensor(len(targets), dtype=torch.float64, device=logits.device)])
+
+
+def results(totals: torch.Tensor) -> dict:
+    """Every rank (collective: one all-reduce): the test loss, top-1 and top-5 accuracy over all ranks' counts."""
     loss_sum, top1, top5, count = collectives.all_reduce_sum(totals).tolist()
     count = max(count, 1)
     return {"test_loss": loss_sum / count, "top1": 100 * top1 / count, "top5": 100 * top5 / count,

@@ -1,0 +1,157 @@
+"""Pipeline parallelism started by torchrun: ResNet-18's layers split over the ranks, one stage each, every batch cut
+into micro-batches that flow through the stages (torch.distributed.pipelining), ResNet-18 on CIFAR-100.
+
+    torchrun --standalone --nproc_per_node=4 distributed_pipeline.py                  # 4 stages on 4 GPUs
+    torchrun --standalone --nproc_per_node=2 distributed_pipeline.py --device cpu     # 2 stages, 2 CPU processes
+    torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --microbatches 8 --schedule gpipe
+
+Each rank holds 1/S of the weights, gradients and optimizer state and sends activations (forward) and their gradients
+(backward) to its neighbours; while the pipeline fills and drains some stages wait: docs/sharding.md.
+"""
+import sys
+from collections import OrderedDict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.optim import lr_scheduler
+from torch.utils.data import DataLoader
+
+from safety_net import SafetyNet
+from safety_net.sharded_checkpoint import PipelineCheckpoint
+from speed import techniques
+from utils import data, flags, launch, models, pipelining
+from utils.errors import UsageError, exit_on_error
+
+
+def parse_args(argv=None):
+    parser = flags.make_parser(__doc__, __file__)
+    flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
+    pipelining.add_flags(parser)  # --schedule, --microbatches
+    data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
+    flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
+    flags.add_device_flags(parser, sync_bn=False)  # --device, --backend, --dist-timeout (BatchNorm: per micro-batch)
+    techniques.add_flags(parser)  # --channels-last, --compile, --optimizer-impl
+    SafetyNet.add_flags(parser, sharded=True)  # --output-dir, checkpoints (directories: each stage its part)
+    args = flags.parse(parser, argv)
+    if args.lr is None:  # --lr's default: 0.1 at a global batch of 256, scaled with the batch (linear scaling)
+        args.lr = flags.scaled_lr(args.batch_size)
+    return args
+
+
+def train_one_epoch(stage, schedule, optimizer, loader, device, safety):
+    """One pass over the batches, the same on every stage: the schedule runs each micro-batch's forward and backward
+    through all stages (activations and their gradients sent between ranks), then each rank steps its own layers."""
+    stage.submod.train()
+    for images, targets in loader:
+        images = images.to(device, non_blocking=True)
+        targets = targets.to(device, non_blocking=True)
+        optimizer.zero_grad(set_to_none=True)
+        losses = []  # filled on the last stage: each micro-batch's loss
+        # only the first stage feeds the images in, only the last compares with the targets; the gradients are the
+        # mean over the micro-batches (the schedule divides each by their number), as one batch's would be
+        schedule.step(*([images] if stage.is_first else []), target=targets if stage.is_last else None, losses=losses)
+        optimizer.step()
+        loss = torch.stack(losses).mean() if losses else None  # the batch's loss: on the last stage alone
+        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+            return
+
+
+def split(model: nn.Module, stage: int, stages: int) -> nn.Sequential:
+    """The layers stage `stage` of `stages` holds: ResNet-18's 8 residual blocks dealt in order as evenly as they go
+    (each costs about the same: each layer halves the image and doubles the channels), the stem (conv1, bn1) with
+    the first blocks, the pooling and fc with the last. Named as in the whole model ("layer2.1.conv1.weight"), so
+    a checkpoint of any number of stages holds distributed.py's keys once. The layers of other stages are dropped."""
+    blocks = [(layer, str(i)) for layer in ("layer1", "layer2", "layer3", "layer4") for i in range(2)]
+    mine = blocks[stage * len(blocks) // stages:(stage + 1) * len(blocks) // stages]
+    parts = [("conv1", model.conv1), ("bn1", model.bn1), ("relu", model.relu)] if stage == 0 else []
+    for layer in dict.fromkeys(layer for layer, _ in mine):  # each layer once, with the blocks of it held here
+        parts.append((layer, nn.Sequential(OrderedDict((i, getattr(model, layer)[int(i)]) for name, i in mine
+                                                       if name == layer))))
+    if stage == stages - 1:
+        parts += [("avgpool", model.avgpool), ("flatten", nn.Flatten()), ("fc", model.fc)]
+    return nn.Sequential(OrderedDict(parts))
+
+
+def train(args, env, safety) -> int:
+    batch = args.batch_size  # every stage works on the whole global batch, in --microbatches pieces
+    train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
+    # each epoch a seeded shuffle, the same batches on every stage (one replica: W = 1); DistributedSampler + set_epoch
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed,
+                                               drop_last=True)  # drop_last: whole batches, no sample repeated
+    # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
+    loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
+                   multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
+    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
+    test_loader = DataLoader(test_set, batch_size=batch, **loading)  # the whole test set on every stage, in order
+    if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
+        raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
+
+    torch.manual_seed(args.seed)
+    model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
+    # every rank built the whole model from the same seed, and keeps its own stage's layers: 1/S of the weights
+    model = split(model, env.rank, env.world_size)
+    model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
+    if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
+        model.compile()
+    # the stage sends its output to rank + 1 and receives its input from rank - 1 (their gradients the other way)
+    stage = PipelineStage(model, stage_index=env.rank, num_stages=env.world_size, device=env.device)
+    # 1F1B: once full, each stage alternates a forward and a backward, so it holds the activations of at most S
+    # micro-batches in flight, where GPipe's all-forwards-then-all-backwards holds all M; the same arithmetic
+    schedule_kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
+    schedule = schedule_kind(stage, n_microbatches=args.microbatches, loss_fn=nn.CrossEntropyLoss())
+    optimizer = torch.optim.SGD(  # over this stage's layers: each rank steps its own; --optimizer-impl: the kernel
+        model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay,
+        **techniques.sgd_kernel(args.optimizer_impl))
+    scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # --lr to 0, by epoch
+    if args.warmup_epochs:  # first a linear rise from --lr/100 (large global batches need it)
+        warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
+        scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
+
+    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
+        safety.load_weights(model)  # each stage reads its own layers' weights, at any number of stages
+        safety.write_eval(pipelining.evaluate(stage, schedule, test_loader, env.device, batch))
+        return safety.finish()
+    # every rank: continue from <output-dir>'s checkpoint if there is one (each stage reads its own layers' part)
+    start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
+                                steps_per_epoch=len(train_loader))
+    for epoch in range(start_epoch, args.epochs):
+        start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
+        # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
+        sampler.set_epoch(epoch, skip=start_step * batch)
+        train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety)
+        # through the pipeline, every test image once; every stage takes part, so a stop waits for its end
+        results = pipelining.evaluate(stage, schedule, test_loader, env.device, batch)
+        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
+            return safety.save_stopped_run()
+        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        scheduler.step()
+        safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
+    return safety.finish()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint, each stage writing its own layers' part
+    safety = SafetyNet.for_flags(args, __file__, sharded_checkpoint=PipelineCheckpoint)
+    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
+        SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
+        env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
+        pipelining.check_stages(env.world_size, args.microbatches)  # at most 8 stages, a micro-batch for each
+        if env.device.type == "cuda":
+            torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
+        # None, but in a rank torchrun restarted, which must not meet at the addresses the dead ranks left there)
+        dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
+                                store=safety.torchrun_restart_store(env.timeout))
+        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
+        try:
+            status = train(args, env, safety)
+        finally:
+            dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
+    sys.exit(status)
+
+
+if __name__ == "__main__":
+    main()
