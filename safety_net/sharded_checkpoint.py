@@ -56,10 +56,13 @@ class ShardedCheckpoint(Checkpoint):
     """Checkpoint's behaviour (lock, resume, --init-from, --keep, --restart, divergence and storage errors)
     with sharded checkpoints: every rank saves and loads its own shard of the model and optimizer."""
 
+    optimizer_options = None  # torch's default layout of the optimizer's state: its param_groups one list
+
     def state_dicts(self) -> dict:
         """The model's and optimizer's state as this rank's shards (DTensors), keyed by parameter name."""
         model, optimizer = self.parts["model"], self.parts["optimizer"]
-        return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+        return {"model": get_model_state_dict(model),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=self.optimizer_options)}
 
     def set_weights(self, weights: dict, source: str) -> None:
         """Full (unsharded) weights: each rank keeps its shard of them."""
@@ -99,7 +102,8 @@ class ShardedCheckpoint(Checkpoint):
         self._read_shards(shards, path)
         set_model_state_dict(model, shards["model"])
         load_optimizer(optimizer, shards["optimizer"],
-                       load=lambda saved: set_optimizer_state_dict(model, optimizer, saved))
+                       load=lambda saved: set_optimizer_state_dict(model, optimizer, saved,
+                                                                   options=self.optimizer_options))
         for name, part in self.parts.items():
             if name not in ("model", "optimizer") and part is not None:
                 part.load_state_dict(state[name])
@@ -160,6 +164,10 @@ class PipelineCheckpoint(ShardedCheckpoint):
     """distributed_pipeline.py's checkpoints: each rank (stage) writes the weights and optimizer state of the layers
     it holds, keyed by their names in the whole model, so the checkpoint holds the whole model once and a later run
     reads each stage's part at any number of stages."""
+
+    # each parameter's learning rate, momentum, ... under its own name ("param_groups.layer2.1.conv1.weight.lr"): in
+    # torch's default layout every stage's one param_group would be saved under the same key, and one stage's kept
+    optimizer_options = StateDictOptions(flatten_optimizer_state_dict=True)
 
     def same_buffers_everywhere(self) -> None:
         """Nothing to agree on: each stage's BatchNorm statistics are its own layers', held by that rank alone."""

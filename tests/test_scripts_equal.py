@@ -12,6 +12,7 @@ per micro-batch differ from the whole batch's by design).
 """
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,7 @@ import torch
 from distributed_helpers import script_on_ranks
 
 from safety_net.sharded_checkpoint import to_single_file
+from utils.models import resnet18_cifar
 
 TEST_IMAGES = 23
 ARGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "12", "--test-samples", str(TEST_IMAGES),
@@ -92,7 +94,7 @@ def assert_same_training(got: dict, expected: dict, name: str, momentum: bool = 
     assert got["model"].keys() == expected["model"].keys(), name
     for key, value in expected["model"].items():
         torch.testing.assert_close(got["model"][key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
-    state, reference = got["optimizer"]["state"], expected["optimizer"]["state"]
+    state, reference = got["optimizer"].get("state", got["optimizer"]), expected["optimizer"].get("state", {})
     if momentum and state.keys() == reference.keys():
         for index in reference:
             torch.testing.assert_close(state[index]["momentum_buffer"], reference[index]["momentum_buffer"],
@@ -168,9 +170,26 @@ def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_bat
     assert_same_training(pipeline, reference, name, momentum=False)  # momentum: by name here, by index there
     names = [key for key in reference["model"] if not key.endswith(("running_mean", "running_var", "tracked"))]
     for index, key in enumerate(names):
-        torch.testing.assert_close(pipeline["optimizer"]["state"][key]["momentum_buffer"],
+        torch.testing.assert_close(pipeline["optimizer"][f"state.{key}.momentum_buffer"],
                                    reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
                                    msg=f"{name}: momentum of {key}")
     for epoch, expected in zip(metrics(run(name)), metrics(run("4 micro-batches in one process")), strict=True):
         for key in ("train_loss", "test_loss", "top1", "lr"):
             assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
+
+
+def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_never_stopped(run, tmp_path):
+    """The 2-stage run's checkpoint after its first epoch (each stage wrote its layers' part), continued by the same
+    command on 3 stages (each reads the layers it now holds, optimizer state included): the weights, BatchNorm
+    statistics and momentum the 2-stage run reached without stopping."""
+    never_stopped = run("pipeline, 1F1B on 2 stages")
+    shutil.copytree(never_stopped / "checkpoint.1.dcp", tmp_path / "run" / "checkpoint.dcp")
+    _, _, model, flags = RUNS["pipeline, 1F1B on 2 stages"]
+    statuses = script_on_ranks(3, "distributed_pipeline.py", ARGS + flags + ["--output-dir", str(tmp_path / "run")],
+                               tmp_path / "ranks", model)
+    assert statuses == [0, 0, 0]
+    resumed = saved(tmp_path / "run")
+    assert (resumed["epoch"], resumed["world_size"]) == (2, 3)
+    assert_same_training(resumed, saved(never_stopped), "resumed on 3 stages")
+    momentum = [key for key in resumed["optimizer"] if key.endswith(".momentum_buffer")]
+    assert len(momentum) == len(list(resnet18_cifar().parameters()))  # every parameter's, once
