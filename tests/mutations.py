@@ -48,6 +48,12 @@ MUTATIONS = [
     ("distributed.py", "    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True",
      "    train_loader = DataLoader(train_set, batch_size=batch, shuffle=False, drop_last=True",
      "no DistributedSampler: every rank trains on the same images"),
+    ("distributed_pipeline.py", "loss = torch.stack(losses).mean()", "loss = torch.stack(losses).sum()",
+     "the pipeline's loss the sum of its micro-batches' losses, not their mean"),
+    ("distributed_pipeline.py", "    mine = blocks[stage * len(blocks) // stages:",
+     "    mine = blocks[max(stage * len(blocks) // stages - 1, 0):", "a residual block held (and run) by two stages"),
+    ("utils/pipelining.py", "totals += metrics.counts(logits[:real], targets)",
+     "totals += metrics.counts(logits, padded[1])", "the pipeline's evaluation counts the padding of a short batch"),
     ("utils/data.py", "        super().set_epoch(epoch)", "        super().set_epoch(0)",
      "the sampler's set_epoch ignored: every epoch the same order"),
     ("utils/metrics.py", "collectives.all_reduce_sum(totals)", "totals",
@@ -79,7 +85,7 @@ def quick_subset(tree: Path, timeout: int) -> tuple[str, float, str]:
     except subprocess.TimeoutExpired:
         return "error (timed out)", time.monotonic() - started, ""
     seconds = time.monotonic() - started
-    failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", result.stdout, flags=re.MULTILINE)
+    failed = re.findall(r"^(?:FAILED|ERROR) (.+?)(?: - .*)?$", result.stdout, flags=re.MULTILINE)
     if result.returncode == 0:
         return "survived", seconds, ""
     if failed:  # exit status 1, or 2 where xdist stopped the run at the first failure

@@ -37,6 +37,9 @@ CASES = {
     "empty-output-dir": ("distributed_mp", ["--output-dir="], "--output-dir is empty"),
     "ip-does-not-resolve": ("distributed_mp", ["--ip", "no-such-host.invalid"], "does not resolve"),
     "ip-does-not-resolve-torchrun-script": ("distributed", ["--ip", "no-such-host.invalid"], "does not resolve"),
+    "pipeline-batch-not-in-microbatches": ("distributed_pipeline", ["--microbatches", "5"], "does not divide into"),
+    "pipeline-one-image-microbatches": ("distributed_pipeline", ["--batch-size", "4", "--microbatches", "4"],
+                                        "BatchNorm needs two"),
 }
 
 
@@ -231,8 +234,28 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path, capsys):
     assert (out / "checkpoint.pt").read_bytes() == before
 
 
+@pytest.mark.parametrize(("world_size", "flags", "says"), [
+    ("9", [], "splits into at most 8 stages"),
+    ("3", ["--microbatches", "2", "--batch-size", "16"], "--microbatches 2 is fewer than the 3 stages"),
+])
+def test_a_pipeline_that_cannot_work_is_refused_before_its_ranks_meet(world_size, flags, says, tmp_path, capsys,
+                                                                      monkeypatch):
+    """distributed_pipeline.py on more ranks than ResNet-18 has blocks, or with fewer micro-batches than stages
+    (torch's schedules hang: pytorch/torchtitan#775): one line from the rank torchrun started, before any process
+    group (MASTER_PORT 1: nobody listens there)."""
+    import distributed_pipeline
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    for name, value in dict(RANK="0", WORLD_SIZE=world_size, LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT="1").items():
+        monkeypatch.setenv(name, value)
+    result = run_main(distributed_pipeline.main, TINY + flags + ["--output-dir", str(tmp_path / "out")], capsys)
+    assert_one_line_error(result, says)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("module", ["distributed", "distributed_mp", "distributed_apex",
-                                    "distributed_gradient_accumulation", "dataparallel", "distributed_fsdp"])
+                                    "distributed_gradient_accumulation", "dataparallel", "distributed_fsdp",
+                                    "distributed_pipeline"])
 def test_every_flag_has_help(module, monkeypatch):
     script = importlib.import_module(module)
     parsers = []
