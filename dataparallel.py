@@ -57,7 +57,7 @@ class AutocastInForward(nn.Module):
             return self.module(images)
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety, scaler):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, scaler, max_norm=None):
     """One pass over the batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -66,9 +66,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, scaler)
         loss = criterion(model(images), targets)  # autocast, if any, is inside: AutocastInForward
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # the replicas' (scaled) gradients are summed onto the first GPU's weights
+        grad_norm = precision.clip_unscaled(model.parameters(), optimizer, scaler, max_norm)  # --clip-grad-norm
         scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
         scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        if safety.step_done(loss):  # every step: progress, checkpoints; True once a stop signal came
+        if safety.step_done(loss, grad_norm):  # every step: progress, checkpoints; True once a stop signal came
             return
 
 
@@ -118,7 +119,7 @@ def train(args, env, safety, gpus) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, scaler)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, scaler, args.clip_grad_norm)
         # split over the GPUs too; a stop signal cuts it short
         results = metrics.evaluate(model, test_loader, env.device, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a stop signal came: a checkpoint of this step, then exit

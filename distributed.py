@@ -36,7 +36,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_norm=None):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -45,8 +45,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety):
         loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # DDP averages the gradients over all ranks, bucket by bucket, during backward
+        # --clip-grad-norm: after the average, so its norm (returned: before clipping) is the same on every rank
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         optimizer.step()
-        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
             return
 
 
@@ -99,7 +101,7 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit

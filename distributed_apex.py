@@ -1,9 +1,8 @@
-"""DistributedDataParallel + mixed precision (torch.amp, what NVIDIA apex's amp became), ResNet-18 on CIFAR-100.
+"""DDP + mixed precision: torch.amp (apex.amp's O1 became autocast + GradScaler; apex_migration.md), ResNet-18.
 
     python distributed_apex.py                              # float16 + GradScaler on GPUs; on a CPU bfloat16 if native
     torchrun --standalone --nproc_per_node=4 distributed_apex.py --amp-dtype bfloat16   # no loss scaling; torchrun
     torchrun --standalone --nproc_per_node=1 distributed_apex.py --amp-dtype bfloat16 --loader device --cuda-graphs
-apex.amp's O1 became torch.autocast + GradScaler; apex.parallel's DDP and SyncBatchNorm, torch's (apex_migration.md).
 """
 import os
 import sys
@@ -41,7 +40,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety, amp_dtype, scaler):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, amp_dtype, scaler, max_norm=None):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -52,9 +51,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, amp_dty
             loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
         scaler.scale(loss).backward()  # DDP averages the (scaled) gradients over all ranks during backward
+        grad_norm = precision.clip_unscaled(model.parameters(), optimizer, scaler, max_norm)  # --clip-grad-norm
         scaler.step(optimizer)  # unscales; skips the step if a gradient overflowed to inf/NaN
         scaler.update()  # lowers the scale after an overflow, raises it after a run of good steps
-        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
             return
 
 
@@ -115,7 +115,7 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        run_epoch(model, criterion, optimizer, train_loader, env.device, safety, amp_dtype, scaler)
+        run_epoch(model, criterion, optimizer, train_loader, env.device, safety, amp_dtype, scaler, args.clip_grad_norm)
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, amp_dtype, stop=safety.stop_received_here)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit

@@ -1,6 +1,5 @@
-"""Fully sharded data parallel (FSDP2's fully_shard) started by torchrun, ResNet-18 on CIFAR-100: each of the
-N ranks holds 1/N of the weights, gradients and optimizer state. It trains distributed.py's model to the same
-weights (tests/test_fsdp.py); what changes is what a rank holds and communicates: docs/sharding.md.
+"""Fully sharded data parallel (FSDP2's fully_shard) by torchrun, ResNet-18 on CIFAR-100: each of the N ranks holds
+1/N of the weights, gradients and optimizer state, and trains distributed.py's weights (docs/sharding.md).
 
     torchrun --standalone --nproc_per_node=4 distributed_fsdp.py                # 4 GPUs, bfloat16 where supported
     torchrun --standalone --nproc_per_node=2 distributed_fsdp.py --device cpu   # 2 CPU processes, gloo
@@ -40,7 +39,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety, autocast_dtype):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, autocast_dtype, max_norm=None):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -50,8 +49,10 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, autocas
             loss = criterion(model(images), targets)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()  # FSDP reduce-scatters the gradients, stage by stage: each rank gets the average of its shard
+        # --clip-grad-norm: over DTensor gradients clip_grad_norm_ sums the shards' squares: the whole model's norm
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         optimizer.step()  # each rank updates its shard of the weights, with its shard of the momentum
-        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
             return
 
 
@@ -126,12 +127,11 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, autocast_dtype)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, autocast_dtype,
+                        args.clip_grad_norm)
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
-            for buffer in model.buffers():
-                dist.broadcast(buffer, src=0)
-        # every rank forwards as many batches (each forward all-gathers), so a stop waits for its end
-        results = metrics.evaluate(model, test_batches, env.device, autocast_dtype)
+            sharding.broadcast_buffers_from_rank_0(model)
+        results = metrics.evaluate(model, test_batches, env.device, autocast_dtype)  # ranks forward in step: no stop
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
             return safety.save_stopped_run()
         safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line

@@ -1,9 +1,8 @@
 """DDP that trains on when a replica group dies, and heals its replacement from a live group (torchft).
 
-The job is several replica groups, each a torchrun of its own (one or more processes); a lighthouse says at
-each step which groups are alive (the quorum), and the gradients are averaged over those. A group that dies
-costs the others one step; started again, it copies the weights, optimizer and schedule of a live group and
-trains on with them, without a restart of the others and without reading a checkpoint. ResNet-18 on CIFAR-100.
+The job is several replica groups, each a torchrun of its own (one or more processes); a lighthouse says at each step
+which groups are alive (the quorum), and the gradients are averaged over those. A group that dies costs the others
+one step; started again, it copies the state of a live group and trains on, no restart, no checkpoint read.
 
     torchft_lighthouse --min_replicas 1 &                                          # the job's coordinator, first
     REPLICA_GROUP_ID=0 torchrun --standalone --nproc_per_node=2 distributed_live_recovery.py   # one group, 2 GPUs
@@ -46,7 +45,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(model, criterion, optimizer, loader, device, safety):
+def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_norm=None):
     """One pass over this rank's batches: forward, loss, backward and the optimizer's step for each."""
     model.train()
     for images, targets in loader:
@@ -54,11 +53,12 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety):
         targets = targets.to(device, non_blocking=True)
         loss = criterion(model(images), targets)
         loss.backward()  # averaged within the group, then over the quorum's groups (a dead one: not committed)
+        # --clip-grad-norm: after the average, so its norm (returned: before clipping) is the same on every rank
+        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         optimizer.step()  # torchft: steps only if the step is committed (every group of the quorum sent its part)
-        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
             return
-        # torchft: the next step's quorum, formed here, before the next batch is read: which groups are alive
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=True)  # torchft: the next step's quorum, formed here: which groups live
 
 
 def average_in_group_then_across_groups(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -152,7 +152,7 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety)
+        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
         if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
             average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short

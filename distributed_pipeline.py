@@ -40,7 +40,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(stage, schedule, optimizer, loader, device, safety):
+def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm=None):
     """One pass over the batches, the same on every stage: the schedule runs each micro-batch's forward and backward
     through all stages (activations and their gradients sent between ranks), then each rank steps its own layers."""
     stage.submod.train()
@@ -52,9 +52,16 @@ def train_one_epoch(stage, schedule, optimizer, loader, device, safety):
         # only the first stage feeds the images in, only the last compares with the targets; the gradients are the
         # mean over the micro-batches (the schedule divides each by their number), as one batch's would be
         schedule.step(*([images] if stage.is_first else []), target=targets if stage.is_last else None, losses=losses)
+        grad_norm = None
+        if max_norm:  # --clip-grad-norm: each stage holds its own layers' gradients, the model's norm is the root of
+            # their squared norms summed over the stages (every stage: a collective), then each clips its own
+            grad_norm = nn.utils.get_total_norm([p.grad for p in stage.submod.parameters()]) ** 2
+            dist.all_reduce(grad_norm)
+            grad_norm = grad_norm.sqrt()
+            nn.utils.clip_grads_with_norm_(stage.submod.parameters(), max_norm, grad_norm)
         optimizer.step()
         loss = torch.stack(losses).mean() if losses else None  # the batch's loss: on the last stage alone
-        if safety.step_done(loss):  # every rank, every step: progress, checkpoints; True once all know of a stop
+        if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
             return
 
 
@@ -120,7 +127,7 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety)
+        train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
         # through the pipeline, every test image once; every stage takes part, so a stop waits for its end
         results = pipelining.evaluate(stage, schedule, test_loader, env.device, batch)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit

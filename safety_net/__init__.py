@@ -205,16 +205,17 @@ class SafetyNet:
             self.profiler.start()
         return start_step
 
-    def step_done(self, loss: torch.Tensor | None) -> bool:
+    def step_done(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None = None) -> bool:
         """Every rank, after each optimizer step (collectives: the stop flag all-reduced every step on a gloo
         group of its own, the loss every --print-freq steps, a checkpoint every --save-every-steps). The loss is
         summed on the device (None: this rank has none, a pipeline's stage but the last); a non-finite one stops the
-        run (Diverged). True once every rank knows of a stop
+        run (Diverged); `grad_norm`: --clip-grad-norm's norm before clipping, for the progress lines and
+        metrics.jsonl. True once every rank knows of a stop
         signal: leave the epoch's loop."""
         if self.profiler:  # --profile-steps: the step ends here in the trace; the last recorded one writes it
             self.profiler.step()
         progress = self.progress
-        progress.record(loss)
+        progress.record(loss, grad_norm)
         if self.stop.agreed():  # a stop signal reached some rank: every rank leaves at this same step
             return True
         if self.checkpoint.due(progress.step, progress.total):  # --save-every-steps

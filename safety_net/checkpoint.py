@@ -42,7 +42,8 @@ LOCKNAME = "run.lock"
 # The flags that define a run: a checkpoint continues only a run with the same values. The precision is
 # compared as the run resolved it (precision.autocast_dtype), the other flags may change (docs/fault_tolerance.md).
 RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "warmup_epochs", "momentum", "weight_decay", "dataset",
-             "train_samples", "no_augment", "no_sync_bn", "grad_accu_steps", "microbatches", "init_from")
+             "train_samples", "no_augment", "no_sync_bn", "grad_accu_steps", "microbatches", "clip_grad_norm",
+             "init_from")
 # optimizer settings that pick an implementation of the same update: the flag given now is the one in force
 IMPLEMENTATION_KEYS = ("foreach", "fused")
 

@@ -59,8 +59,10 @@ class MetricsLog:
             self.events.flush()
         speed = (f"{record['epoch_time_s']:.1f}s  {record['images_per_s']:.0f} img/s" if record["images_per_s"]
                  else "resumed at its last step")  # None: a checkpoint of the epoch's last step, nothing to time
-        print(f"epoch {record['epoch']}: train_loss {record['train_loss']:.4f}  test_loss {record['test_loss']:.4f}"
-              f"  top1 {record['top1']:.2f}%  top5 {record['top5']:.2f}%  {speed}  lr {record['lr']:.4g}", flush=True)
+        norm = f"  grad_norm {record['grad_norm']:.4g}" if record.get("grad_norm") else ""  # --clip-grad-norm
+        print(f"epoch {record['epoch']}: train_loss {record['train_loss']:.4f}{norm}"
+              f"  test_loss {record['test_loss']:.4f}  top1 {record['top1']:.2f}%  top5 {record['top5']:.2f}%  {speed}"
+              f"  lr {record['lr']:.4g}", flush=True)
 
 
     def _not_written(self, error: OSError) -> None:

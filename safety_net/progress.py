@@ -30,6 +30,9 @@ class EpochProgress:
         self.loss_sum = torch.tensor(loss_sum / env.world_size, device=env.device)
         self.loss_count = count / env.world_size
         self.recorded = 0  # steps taken by this process, for its throughput
+        # --clip-grad-norm: the gradients' norm before clipping, summed on the device (the same on every rank)
+        self.norm_sum, self.norm_count, self.norm = (torch.zeros((), device=env.device),
+                                                     torch.zeros((), device=env.device), None)
         # a bar on a terminal; on one of no width (`script` run without a terminal makes one) tqdm draws nothing
         bar_wanted = env.is_main and sys.stderr.isatty() and os.get_terminal_size(sys.stderr.fileno()).columns > 0
         self.bar = tqdm(total=steps, initial=start_step, desc=f"epoch {epoch + 1}/{epochs}",
@@ -39,10 +42,17 @@ class EpochProgress:
         self.start = time.perf_counter()
         self.end = None  # when the epoch's last step was done
 
-    def record(self, loss: torch.Tensor | None) -> None:
+    def record(self, loss: torch.Tensor | None, grad_norm: torch.Tensor | None = None) -> None:
         """Call once per optimizer step, on every rank, with that step's mean training loss (None on a rank that has
-        none: a pipeline's stages but the last). Every --print-freq steps, and at this process's first step of each
-        epoch: one all-reduce of the loss, printed by rank 0; a non-finite one raises Diverged."""
+        none: a pipeline's stages but the last) and, with --clip-grad-norm, the gradients' norm before clipping.
+        Every --print-freq steps, and at this process's first step of each epoch: one all-reduce of the loss,
+        printed by rank 0 (with the norm); a non-finite loss raises Diverged."""
+        if grad_norm is not None:
+            # under FSDP a DTensor, replicated: clip_grad_norm_ reduced it over the shards
+            self.norm = getattr(grad_norm, "full_tensor", grad_norm.detach)().detach().float()
+            finite = torch.isfinite(self.norm)  # not a float16 step the scaler skips (its gradients overflowed)
+            self.norm_sum += torch.where(finite, self.norm, 0.0)
+            self.norm_count += finite
         held = loss is not None
         loss = loss.detach().float() if held else torch.zeros((), device=self.env.device)
         self.loss_sum += loss
@@ -66,11 +76,13 @@ class EpochProgress:
                 self.log.train_loss(self.epoch, self.step, step_loss)
             rate = self.recorded * self.global_batch / (time.perf_counter() - self.start)
             note = f", {self.note()}" if self.note else ""
+            norm = [("grad_norm", f"{float(self.norm):.4g}")] if self.norm is not None else []  # --clip-grad-norm
             if self.bar:
-                self.bar.set_postfix_str(f"loss={step_loss:.4f}, img_s={rate:.0f}{note}")
+                shown = [("loss", f"{step_loss:.4f}"), *norm, ("img_s", f"{rate:.0f}")]
+                self.bar.set_postfix_str(", ".join(f"{k}={v}" for k, v in shown) + note)
             else:
-                print(f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total} "
-                      f"loss {step_loss:.4f} {rate:.0f} img/s{note}", flush=True)
+                print(f"epoch {self.epoch + 1}/{self.epochs} step {self.step}/{self.total} loss {step_loss:.4f}"
+                      + "".join(f" {k} {v}" for k, v in norm) + f" {rate:.0f} img/s{note}", flush=True)
 
     def check_finite(self, loss: float) -> None:
         """Divergence ends the run: NaN or infinite weights would only be saved over a good checkpoint."""
@@ -95,7 +107,10 @@ class EpochProgress:
         seconds = (self.end or time.perf_counter()) - self.start
         if self.bar:
             self.bar.close()
-        return {"train_loss": loss_sum / max(count, 1), "epoch_time_s": seconds,
+        # --clip-grad-norm: the mean norm before clipping over the epoch's steps (those the scaler skipped left out)
+        steps = float(self.norm_count)
+        norm = {"grad_norm": float(self.norm_sum) / steps if steps else None} if self.norm is not None else {}
+        return {"train_loss": loss_sum / max(count, 1), **norm, "epoch_time_s": seconds,
                 "images_per_s": self.recorded * self.global_batch / seconds if self.recorded else None,
                 "peak_memory_mb": peak_memory_mb(self.env.device)}
 

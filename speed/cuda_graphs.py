@@ -103,12 +103,15 @@ class _LossKept:
     the step (the graph writes it again at every replay) and never asks to stop."""
 
     def __init__(self):
-        self.loss = None
+        self.loss = self.grad_norm = None
 
-    def step_done(self, loss: torch.Tensor) -> bool:
+    def step_done(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
         if self.loss is None:  # made by the first, eager step: outside the graph's memory pool
             self.loss = torch.zeros_like(loss, dtype=torch.float32)
+            self.grad_norm = torch.zeros((), device=loss.device) if grad_norm is not None else None
         self.loss.copy_(loss.detach())
+        if grad_norm is not None:  # --clip-grad-norm's norm before clipping
+            self.grad_norm.copy_(grad_norm.detach())
         return False
 
 
@@ -178,7 +181,7 @@ class CapturedSteps:
                 else:
                     self.graph = _CalledDirectly(step)
             self.steps += 1
-            if safety.step_done(self.kept.loss):  # outside the graph: progress, stop agreement, checkpoints
+            if safety.step_done(self.kept.loss, self.kept.grad_norm):  # outside the graph: progress, stop, checkpoints
                 return
 
     def close(self) -> None:
@@ -193,7 +196,7 @@ class CapturedSteps:
         if self.graph is not None:
             self.graph.reset()  # now, not when the last reference goes (an error's traceback holds this object)
         self.graph = self.images = self.targets = self.rates = self.rate_values = None
-        self.kept.loss = None
+        self.kept.loss = self.kept.grad_norm = None
         self.closed = True
 
     def _step(self, model, criterion, optimizer, device, extra) -> None:

@@ -15,7 +15,7 @@ class LossesKept:
     def __init__(self):
         self.losses = []
 
-    def step_done(self, loss: torch.Tensor) -> bool:
+    def step_done(self, loss: torch.Tensor, grad_norm: torch.Tensor | None = None) -> bool:
         self.losses.append(float(loss.detach()))
         return False
 

@@ -25,29 +25,33 @@ from utils.models import resnet18_cifar
 TEST_IMAGES = 23
 ARGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "12", "--test-samples", str(TEST_IMAGES),
         "--batch-size", "12", "--epochs", "2", "--lr", "0.1", "--workers", "0", "--print-freq", "100"]
+CLIP = ["--clip-grad-norm", "0.1"]  # below every step's norm here (about 1 to 30): every step is clipped
 RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its own flags
     "one process": ("distributed.py", 1, "float64", []),
     "distributed.py on 3 ranks": ("distributed.py", 3, "float64", []),
-    "distributed_mp.py on 2 ranks": ("distributed_mp.py", 2, "float64", []),
-    "distributed_apex.py on 2 ranks": ("distributed_apex.py", 2, "float64", ["--opt-level", "O0"]),
+    # the same with --clip-grad-norm: each script's clipping where its strategy needs it (after the average; after
+    # the last micro-batch; the unscaled gradients; the norm over FSDP's shards, over the pipeline's stages)
+    "one process, clipped": ("distributed.py", 1, "float64", CLIP),
+    "distributed_mp.py on 2 ranks": ("distributed_mp.py", 2, "float64", CLIP),
+    "distributed_apex.py on 2 ranks": ("distributed_apex.py", 2, "float64", ["--opt-level", "O0", *CLIP]),
     # one epoch, against the reference's first (checkpoint.1.pt): each checkpoint of ZeRO-1 gathers the optimizer
     # state on rank 0 first, 3 s here
-    "distributed_zero.py on 2 ranks": ("distributed_zero.py", 2, "float64", ["--epochs", "1"]),
-    "distributed_fsdp.py on 2 ranks": ("distributed_fsdp.py", 2, "float64", ["--opt-level", "O0"]),
-    "dataparallel.py": ("dataparallel.py", 1, "float64", []),
+    "distributed_zero.py on 2 ranks": ("distributed_zero.py", 2, "float64", ["--epochs", "1", *CLIP]),
+    "distributed_fsdp.py on 2 ranks": ("distributed_fsdp.py", 2, "float64", ["--opt-level", "O0", *CLIP]),
+    "dataparallel.py": ("dataparallel.py", 1, "float64", CLIP),
     "accumulation of 2 on 2 ranks": ("distributed_gradient_accumulation.py", 2, "float64-groupnorm",
-                                     ["--grad-accu-steps", "2"]),
+                                     ["--grad-accu-steps", "2", *CLIP]),
     "no accumulation in one process": ("distributed_gradient_accumulation.py", 1, "float64-groupnorm",
-                                       ["--grad-accu-steps", "1"]),
-    # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
+                                       ["--grad-accu-steps", "1", *CLIP]),
     # the pipeline: its micro-batches against one process accumulating the same ones (BatchNorm per micro-batch)
-    "pipeline, 1F1B on 2 stages": ("distributed_pipeline.py", 2, "float64", ["--microbatches", "4"]),
+    "pipeline, 1F1B on 2 stages": ("distributed_pipeline.py", 2, "float64", ["--microbatches", "4", *CLIP]),
     "pipeline, GPipe on 3 stages": ("distributed_pipeline.py", 3, "float64", ["--microbatches", "4", "--schedule",
-                                                                              "gpipe"]),
+                                                                              "gpipe", *CLIP]),
     "4 micro-batches in one process": ("distributed_gradient_accumulation.py", 1, "float64",
-                                       ["--grad-accu-steps", "4"]),
+                                       ["--grad-accu-steps", "4", *CLIP]),
+    # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
     "float16": ("distributed_apex.py", 1, "float32-8x8", ["--amp-dtype", "float16", "--batch-size", "4",
-                                                          "--test-samples", "5"]),
+                                                          "--test-samples", "5", *CLIP]),
 }
 SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
     name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags)]
@@ -119,13 +123,27 @@ def moved(folder: Path) -> float:
 @pytest.mark.parametrize("name", SAME_AS_ONE_PROCESS)
 def test_each_script_trains_the_weights_of_one_process(name, run):
     """DDP with SyncBatchNorm on 3 ranks and launched by spawn's worker on 2, mixed precision's script in float32,
-    ZeRO-1, FSDP and DataParallel: each the weights, BatchNorm statistics, momentum and losses of one process."""
-    one, epochs = run("one process"), metrics(run(name))
+    ZeRO-1, FSDP and DataParallel: each the weights, BatchNorm statistics, momentum and losses of one process (with
+    --clip-grad-norm: of one process clipped, and the same norm before clipping: FSDP's over its shards)."""
+    one = run("one process, clipped" if "--clip-grad-norm" in RUNS[name][3] else "one process")
+    epochs = metrics(run(name))
     expected = saved(one) if len(epochs) == 2 else torch.load(one / "checkpoint.1.pt", weights_only=True)
     assert_same_training(saved(run(name)), expected, name)
     for epoch, expected in zip(epochs, metrics(one), strict=False):
-        for key in ("train_loss", "test_loss", "top1", "top5", "lr"):
-            assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
+        for key in ("train_loss", "test_loss", "top1", "top5", "lr", "grad_norm"):
+            want = expected.get(key)
+            assert epoch.get(key) == (want if want is None else pytest.approx(want, rel=RTOL)), (name, key, epoch)
+
+
+def test_every_step_was_clipped_and_the_norms_are_logged(run):
+    """--clip-grad-norm 0.1 clipped every step of the runs above (its norm before, the epoch's one step, logged by
+    rank 0 in metrics.jsonl, is above 0.1), and a run without it logs no norm: the same weights as before the flag."""
+    for name, (_, _, model, flags) in RUNS.items():
+        norms = [epoch.get("grad_norm") for epoch in metrics(run(name))]
+        if "--clip-grad-norm" not in flags:
+            assert norms == [None] * len(norms), name
+        elif model.startswith("float64"):
+            assert all(norm > 0.1 for norm in norms), (name, norms)
 
 
 @pytest.mark.parametrize("name", list(RUNS))
@@ -142,7 +160,8 @@ def test_accumulating_two_micro_batches_on_two_ranks_equals_the_whole_batch_in_o
     accumulated, whole = run("accumulation of 2 on 2 ranks"), run("no accumulation in one process")
     assert_same_training(saved(accumulated), saved(whole), "accumulation")
     for epoch, expected in zip(metrics(accumulated), metrics(whole), strict=True):
-        assert epoch["train_loss"] == pytest.approx(expected["train_loss"], rel=RTOL), (epoch, expected)
+        for key in ("train_loss", "grad_norm"):  # clipped after the last micro-batch: the whole batch's norm
+            assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (key, epoch, expected)
 
 
 def test_mixed_precision_runs_autocast_and_scales_the_loss_as_the_script_builds_them(run):
@@ -158,6 +177,9 @@ def test_mixed_precision_runs_autocast_and_scales_the_loss_as_the_script_builds_
     assert state["scaler"]["scale"] < 65536.0, state["scaler"]
     assert all(torch.isfinite(v).all() for v in state["model"].values() if v.is_floating_point())
     assert moved(folder) > 1e-4  # a step of the second epoch was taken, unscaled
+    # --clip-grad-norm on the unscaled gradients: their norm (about 1 to 30 here), not the scaled one (x 4096 and more)
+    norms = [epoch["grad_norm"] for epoch in metrics(folder) if epoch["grad_norm"] is not None]  # None: all skipped
+    assert norms and all(0.1 < norm < 1000 for norm in norms), norms
 
 
 @pytest.mark.parametrize("name", ["pipeline, 1F1B on 2 stages", "pipeline, GPipe on 3 stages"])
@@ -174,7 +196,7 @@ def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_bat
                                    reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
                                    msg=f"{name}: momentum of {key}")
     for epoch, expected in zip(metrics(run(name)), metrics(run("4 micro-batches in one process")), strict=True):
-        for key in ("train_loss", "test_loss", "top1", "lr"):
+        for key in ("train_loss", "test_loss", "top1", "lr", "grad_norm"):  # the norm over all stages: the model's
             assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
 
 

@@ -63,7 +63,7 @@ def make_parser(doc: str, script: str) -> Parser:
 
 def add_training_flags(parser: Parser) -> None:
     """The optimisation's flags, in the group "training": --epochs, --batch-size, --lr (None unless given: the script
-    applies scaled_lr), --warmup-epochs, --momentum, --weight-decay, --seed."""
+    applies scaled_lr), --warmup-epochs, --momentum, --weight-decay, --clip-grad-norm, --seed."""
     train = group(parser, "training")
     train.add_argument("--epochs", type=positive_int, default=30, help="number of training epochs")
     train.add_argument("--batch-size", type=positive_int, default=256,
@@ -78,6 +78,11 @@ def add_training_flags(parser: Parser) -> None:
     parser.checks.append(_warmup_leaves_a_cosine)
     train.add_argument("--momentum", type=non_negative_float, default=0.9, help="SGD momentum")
     train.add_argument("--weight-decay", type=non_negative_float, default=5e-4, help="SGD weight decay")
+    train.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="MAX",
+                       help="scale each step's gradients down to a global norm of MAX where they exceed it (the "
+                            "norm over every rank's, shard's and stage's, after unscaling and after the last "
+                            "micro-batch); its value before clipping goes to the progress lines and metrics.jsonl. "
+                            "Off by default")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
 
 
@@ -160,6 +165,14 @@ def non_negative_float(text: str) -> float:
     value = float(text)
     if not (math.isfinite(value) and value >= 0):
         raise argparse.ArgumentTypeError(f"must be a finite number, 0 or more, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0."""
+    value = float(text)
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number above 0, got {text}")
     return value
 
 

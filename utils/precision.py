@@ -127,3 +127,14 @@ def autocast_dtype(args, device: torch.device, is_main: bool, recorded: tuple[st
         print(f"--amp-dtype auto: this {where}, so bfloat16 would be slower "
               "than float32; training in float32 (--amp-dtype bfloat16 forces it)", file=sys.stderr, flush=True)
     return None if default == "float32" else getattr(torch, default)
+
+
+def clip_unscaled(parameters, optimizer, scaler: torch.amp.GradScaler, max_norm: float | None):
+    """--clip-grad-norm under a GradScaler: the gradients unscaled first (scaler.unscale_, so that MAX bounds the true
+    norm, not the scaled one; scaler.step then knows not to unscale again, and still skips a step whose gradients
+    overflowed to inf/NaN), then clipped to a norm of at most max_norm. Returns their norm before clipping (None
+    without max_norm: nothing done)."""
+    if not max_norm:
+        return None
+    scaler.unscale_(optimizer)
+    return torch.nn.utils.clip_grad_norm_(parameters, max_norm)

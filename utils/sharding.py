@@ -32,6 +32,13 @@ def add_flags(parser) -> None:
     parser.checks.append(_reshard_needs_stages)
 
 
+def broadcast_buffers_from_rank_0(model: torch.nn.Module) -> None:
+    """Every rank (collective: a broadcast per buffer): rank 0's BatchNorm statistics on all ranks, as DDP keeps them;
+    FSDP shards parameters, not buffers."""
+    for buffer in model.buffers():
+        dist.broadcast(buffer, src=0)
+
+
 def hsdp_mesh(env, replicas: int) -> DeviceMesh | None:
     """None for --replicas 1 (fully_shard shards over every rank); else HSDP's 2-D mesh (collective: it makes a
     process group per row and per column): R groups of world/R consecutive ranks, each group one replica that
