@@ -1,7 +1,12 @@
 """How many lines a copy of each script must take: the script and every module of this repository it imports,
 directly or through another (docs/template.md's table, which tests/test_template.py keeps true).
 
-    python -m benchmarks.copy_size                 # the table, in Markdown
+    python -m benchmarks.copy_size                                          # the table, in Markdown
+    python -m benchmarks.copy_size --files distributed.py                   # the files to copy, one a line
+    python -m benchmarks.copy_size --files distributed.py --without-safety-net   # those of the lean copy
+    python -m benchmarks.copy_size --diff                                   # the lean copy's change, for git apply
+
+    cp --parents $(python -m benchmarks.copy_size --files distributed.py) ../my_project/   # in this repository's root
 
 Lines are physical lines of the files as they are (at the repository's ruff settings, line length 120), comments
 and docstrings included; "code" leaves out blank lines, comments and docstrings. The lean copy is distributed.py
@@ -19,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_apex.py",
            "distributed_gradient_accumulation.py", "distributed_zero.py", "distributed_fsdp.py",
-           "distributed_live_recovery.py")
+           "distributed_live_recovery.py", "distributed_pipeline.py")
 PACKAGES = ("utils", "speed", "safety_net")  # the repository's modules a script can import
 
 
@@ -82,10 +87,15 @@ def copy_size(script: Path, root: Path = ROOT) -> dict:
             "imported": imported, "total": own + imported, "code": own_code + imported_code}
 
 
+def page_diff() -> str:
+    """docs/template.md's diff that takes the safety net out of distributed.py, as the page has it."""
+    page = (ROOT / "docs" / "template.md").read_text()
+    return page.split("```diff\n", 1)[1].split("```\n", 1)[0]
+
+
 def lean_copy(workdir: Path) -> Path:
     """distributed.py with docs/template.md's diff applied, in a copy of utils/ and speed/ under `workdir`."""
-    page = (ROOT / "docs" / "template.md").read_text()
-    diff = page.split("```diff\n", 1)[1].split("```\n", 1)[0]
+    diff = page_diff()
     for package in ("utils", "speed"):
         shutil.copytree(ROOT / package, workdir / package, ignore=shutil.ignore_patterns("__pycache__"))
     (workdir / "distributed.py").write_text((ROOT / "distributed.py").read_text())
@@ -104,15 +114,44 @@ def table() -> str:
     for script in SCRIPTS:
         rows.append(row(f"`{script}`", copy_size(ROOT / script)))
     with tempfile.TemporaryDirectory() as tmp:
-        rows.append(row("`distributed.py` without the safety net (the diff below)",
+        rows.append(row("`distributed.py` [without the safety net](#without-the-safety-net)",
                         copy_size(lean_copy(Path(tmp)), Path(tmp))))
     return "\n".join(rows) + "\n"
 
 
+def files(script: str, without_safety_net: bool = False) -> list[str]:
+    """The files a copy of `script` takes, relative to the repository's root, one for each: the script first, then
+    every file of utils/, speed/ and safety_net/ it imports (their __init__.py included), sorted. Without the safety
+    net (distributed.py only): what the script imports once docs/template.md's diff is applied."""
+    if not without_safety_net:
+        return [script] + [str(f.relative_to(ROOT)) for f in imported_files(ROOT / script)]
+    with tempfile.TemporaryDirectory() as tmp:
+        lean = lean_copy(Path(tmp))
+        return [script] + [str(f.relative_to(tmp)) for f in imported_files(lean, Path(tmp))]
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.copy_size", description=__doc__.split("\n\n")[0])
-    parser.parse_args(argv)
-    sys.stdout.write(table())
+    parser.add_argument("--files", choices=SCRIPTS, metavar="SCRIPT",
+                        help="print the files a copy of SCRIPT takes, one a line, relative to the repository's root "
+                             "(for cp --parents), instead of the table; SCRIPT: " + ", ".join(SCRIPTS))
+    parser.add_argument("--without-safety-net", action="store_true",
+                        help="with --files distributed.py: the files of the copy without the safety net "
+                             "(docs/template.md's diff applied)")
+    parser.add_argument("--diff", action="store_true",
+                        help="print docs/template.md's diff that takes the safety net out of distributed.py "
+                             "(for git apply in the copy)")
+    args = parser.parse_args(argv)
+    if args.without_safety_net and args.files != "distributed.py":
+        parser.error("--without-safety-net goes with --files distributed.py (the page's diff is for distributed.py)")
+    if args.diff and args.files:
+        parser.error("--diff and --files print different things: give one of them")
+    if args.diff:
+        sys.stdout.write(page_diff())
+    elif args.files:
+        sys.stdout.write("".join(f"{name}\n" for name in files(args.files, args.without_safety_net)))
+    else:
+        sys.stdout.write(table())
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def count_host_reads(out: str, sync_waits: bool = False):
             waits.on(True)
         return start_step
 
-    def counted_step_done(self, loss):
+    def counted_step_done(self, loss, grad_norm=None):
         step, progress = self.progress.step + 1, self.progress
         # the safety net's own rule: a progress line every --print-freq steps and at each epoch's first, a checkpoint
         # every --save-every-steps; those steps read the loss or the weights back, by design
@@ -102,7 +102,7 @@ def count_host_reads(out: str, sync_waits: bool = False):
         if waits:
             waits.on(mode.counting)
         try:
-            stop = step_done(self, loss)
+            stop = step_done(self, loss, grad_norm)
         finally:
             mode.counting = True
         if stop or step == progress.total:
@@ -124,11 +124,11 @@ def fail_at_step(step: int) -> None:
     from safety_net import SafetyNet
     step_done = SafetyNet.step_done
 
-    def failing_step_done(self, loss):
+    def failing_step_done(self, loss, grad_norm=None):
         progress = self.progress
         if os.environ.get("RANK", "0") == "0" and progress.epoch * progress.total + progress.step + 1 == step:
             raise RuntimeError(f"injected failure at step {step}")
-        return step_done(self, loss)
+        return step_done(self, loss, grad_norm)
 
     SafetyNet.step_done = failing_step_done
 

@@ -184,7 +184,7 @@ def test_each_step_runs_once_eagerly_then_from_the_capture():
     class Net:
         losses = []
 
-        def step_done(self, loss):
+        def step_done(self, loss, grad_norm=None):
             self.losses.append(float(loss))
             return False
 
@@ -215,7 +215,7 @@ def test_an_error_past_the_capture_leaves_the_graph_to_release_captured_graphs()
     class FailsAtTheFirstReplay:
         steps = 0
 
-        def step_done(self, loss):
+        def step_done(self, loss, grad_norm=None):
             self.steps += 1
             if self.steps == cuda_graphs.WARMUP_STEPS + 2:  # eager steps, the capture, then this replay
                 raise RuntimeError("injected failure")
@@ -307,7 +307,7 @@ def gpu_losses(rank, world_size, graphed: bool, steps: int, sync_check: bool):
     class Losses:  # the safety net's bookkeeping on the device: no read until the end
         losses = []
 
-        def step_done(self, loss):
+        def step_done(self, loss, grad_norm=None):
             if sync_check and graphed and len(self.losses) == cuda_graphs.WARMUP_STEPS:
                 torch.cuda.set_sync_debug_mode("error")
             self.losses.append(loss.detach().clone())

@@ -52,7 +52,7 @@ def compiled_runs(rank, world_size, steps: int) -> list:
         def __init__(self):
             self.losses, self.counts = [], []
 
-        def step_done(self, loss):
+        def step_done(self, loss, grad_norm=None):
             self.losses.append(float(loss.detach()))
             self.counts.append({name: dict(counted) for name, counted in counters.items()})
             return False

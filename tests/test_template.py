@@ -1,10 +1,16 @@
-"""Copying a script as a template (docs/template.md): distributed.py, safety_net/ and utils/ copied, and only the two
-functions the page names replaced, one by another torchvision model, the other by an image folder of PNG
-files. The copy trains under torchrun on 2 CPU ranks, stops on Ctrl-C with a checkpoint, continues, and
-evaluates exactly at another world size."""
+"""Copying a script as a template, step by step as docs/template.md says, with the page's own commands and blocks:
+distributed.py and exactly the files `python -m benchmarks.copy_size --files distributed.py` lists, copied by the
+page's command; the data functions replaced by the page's (an image folder of PNG files), the model by another
+torchvision model, ARCH renamed, --help's description rewritten. The copy trains under torchrun on 2 CPU ranks,
+stops on Ctrl-C with a checkpoint, continues, evaluates exactly at another world size, refuses another --epochs,
+and trains longer with --init-from. The copy without the safety net, made by the page's commands, learns."""
 import ast
+import contextlib
+import io
 import json
-import shutil
+import os
+import re
+import shlex
 import signal
 import subprocess
 import sys
@@ -17,21 +23,58 @@ from PIL import Image
 from processes import Run
 from script_runs import ROOT, check, load_checkpoint, read_metrics, subprocess_env
 
+from benchmarks import copy_size
+
 CLASSES = 6
-MODEL = '''
-def resnet18_cifar(num_classes: int = 100) -> nn.Module:
-    return torchvision.models.mobilenet_v3_small(num_classes=num_classes)
-'''
 
 
-def page_block(language: str) -> str:
-    """The first ```language block of docs/template.md, as the page has it (its indentation removed)."""
-    page = (ROOT / "docs" / "template.md").read_text()
-    block = page.split(f"```{language}\n", 1)[1].split("```", 1)[0]
-    return textwrap.dedent(block)
+def page() -> str:
+    return (ROOT / "docs" / "template.md").read_text()
 
 
-DATA = page_block("python")  # the page's add_flags() and datasets() for an image folder
+def page_blocks(language: str) -> list[str]:
+    """The ```language blocks of docs/template.md in the page's order, each as the page has it (indentation removed)."""
+    return [textwrap.dedent(block.split("```", 1)[0]) for block in page().split(f"```{language}\n")[1:]]
+
+
+def block_after(text: str, language: str = "") -> str:
+    """The first ```language block of the page after `text`, its indentation removed."""
+    after = page().split(text, 1)[1]
+    return textwrap.dedent(after.split(f"```{language}\n", 1)[1].split("```", 1)[0])
+
+
+# the page's Python: step 2's add_flags() and datasets(), step 3's datasets(), step 4's model, step 5's ARCH line
+DATA, DATA_OTHER, MODEL, ARCH_LINE = page_blocks("python")
+STEP_1 = "\n### 1. Copy the script and exactly the files it imports\n"
+LEAN = "\n## Without the safety net\n"
+NORMALISATION = "- **Normalisation.**"
+DOCSTRING_END = "ResNet-18 on CIFAR-100."  # step 6: the end of distributed.py's first line, replaced by
+DESCRIPTION = "MobileNetV3 on my images."  # the page's example
+
+
+def run_page_commands(commands: str, copy: Path) -> None:
+    """The page's shell commands, in this repository's root, the copy going to `copy` instead of ../my_project."""
+    script = commands.replace("../my_project", shlex.quote(str(copy))).replace(
+        "python -m ", f"{shlex.quote(sys.executable)} -m ")
+    check(subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=ROOT, env=subprocess_env(),
+                         capture_output=True, text=True, timeout=60))
+
+
+def files_of(copy: Path) -> set[str]:
+    return {str(f.relative_to(copy)) for f in copy.rglob("*") if f.is_file() and "__pycache__" not in f.parts}
+
+
+def measured_mean_std(images: Path) -> str:
+    """The line `mean, std = ...` that step 3's command prints for the training set under `images` (run in this
+    process: the command's code, its folder `images` made `images`)."""
+    command = block_after(NORMALISATION)
+    code = command.split('python -c "', 1)[1].rsplit('"', 1)[0].replace("'images/train'", repr(str(images / "train")))
+    said = io.StringIO()
+    with contextlib.redirect_stdout(said):
+        exec(code, {})
+    (line,) = said.getvalue().splitlines()
+    assert re.fullmatch(r"mean, std = \(([\d.]+, ){2}[\d.]+\), \(([\d.]+, ){2}[\d.]+\)", line), line
+    return line
 
 
 def replace_function(path: Path, name: str, source: str) -> None:
@@ -46,6 +89,13 @@ def replace_functions(path: Path, source: str) -> None:
     lines = source.splitlines(keepends=True)
     for node in (n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)):
         replace_function(path, node.name, "".join(lines[node.lineno - 1:node.end_lineno]))
+
+
+def replace_line(path: Path, start: str, line: str) -> None:
+    """Replace the one line of the file at `path` that starts with `start` by `line`."""
+    lines = path.read_text().splitlines(keepends=True)
+    (at,) = [i for i, text in enumerate(lines) if text.startswith(start)]
+    path.write_text("".join(lines[:at]) + line.rstrip("\n") + "\n" + "".join(lines[at + 1:]))
 
 
 def write_image_folder(root: Path, per_class: dict[str, int]) -> None:
@@ -63,15 +113,19 @@ def write_image_folder(root: Path, per_class: dict[str, int]) -> None:
 
 @pytest.fixture
 def template(tmp_path) -> Path:
+    """The page's steps 1 to 6, in its order, on the image folder <tmp_path>/images."""
     copy = tmp_path / "my_project"
-    copy.mkdir()
-    shutil.copy(ROOT / "distributed.py", copy)
-    shutil.copytree(ROOT / "safety_net", copy / "safety_net", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__"))
-    shutil.copytree(ROOT / "speed", copy / "speed", ignore=shutil.ignore_patterns("__pycache__"))
-    replace_functions(copy / "utils" / "models.py", MODEL)
-    replace_functions(copy / "utils" / "data.py", DATA)
-    write_image_folder(tmp_path / "pngs", {"train": 16, "test": 3})
+    run_page_commands(block_after(STEP_1), copy)  # step 1: exactly the files --files lists
+    assert files_of(copy) == {*copy_size.files("distributed.py"), "requirements.txt"}, files_of(copy)
+    replace_functions(copy / "utils" / "data.py", DATA)  # step 2: add_flags() and datasets()
+    write_image_folder(tmp_path / "images", {"train": 16, "test": 3})
+    mean_std = measured_mean_std(tmp_path / "images")  # step 3: its datasets(), with the command's mean and std
+    replace_functions(copy / "utils" / "data.py", re.sub(r"mean, std = .*", mean_std, DATA_OTHER, count=1))
+    replace_functions(copy / "utils" / "models.py", MODEL)  # step 4: MobileNetV3
+    replace_line(copy / "utils" / "models.py", "ARCH = ", ARCH_LINE)  # step 5
+    script = (copy / "distributed.py").read_text()  # step 6: --help's description
+    assert DOCSTRING_END in script.splitlines()[0]
+    (copy / "distributed.py").write_text(script.replace(DOCSTRING_END, DESCRIPTION, 1))
     return copy
 
 
@@ -84,19 +138,24 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     said = check(subprocess.run([sys.executable, str(template / "distributed.py"), "--help"], cwd=tmp_path,
                                 env=subprocess_env(), capture_output=True, text=True, timeout=120)).stdout
     data_flags = " ".join(said.split("\ndata:\n", 1)[1].split("\n\n", 1)[0].split())
-    assert "one folder of images per class" in data_flags and "CIFAR" not in data_flags, data_flags
+    assert "one folder of images per class" in data_flags, data_flags
+    assert "CIFAR" not in said and DESCRIPTION in " ".join(said.split()), said
     assert "--dataset" not in said and "--train-samples" not in said
     out = tmp_path / "run"
-    flags = ["--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "2", "--batch-size", "16",
-             "--workers", "0", "--print-freq", "1", "--lr", "0.05", "--output-dir", str(out)]
-    cmd = torchrun(template / "distributed.py", 2) + flags
+    flags = ["--device", "cpu", "--data-dir", str(tmp_path / "images"), "--epochs", "2", "--batch-size", "16",
+             "--workers", "0", "--print-freq", "1", "--lr", "0.05"]
+    cmd = torchrun(template / "distributed.py", 2) + flags + ["--output-dir", str(out)]
     started = Run(cmd)
     started.wait_for("epoch 1/2 step 2/6")  # 96 images, a global batch of 16: 6 steps per epoch
-    started.proc.send_signal(signal.SIGINT)  # Ctrl-C
+    os.killpg(started.proc.pid, signal.SIGINT)  # Ctrl-C: every process of the terminal's foreground group
     status, _ = started.finish()
-    assert status != 0 and "stopped by SIGINT at epoch 1" in started.text, started.output
+    assert "stopped by SIGINT at epoch 1" in started.text, started.output
+    # step 7: torchrun's own traceback after the run's line, and exit status 1
+    assert status == 1 and "SignalException" in started.text.split("stopped by SIGINT at epoch 1", 1)[1], \
+        (status, started.output)
     stopped_at = load_checkpoint(out)
     assert stopped_at["epoch"] == 0 and 2 <= stopped_at["step"] < 6
+    assert stopped_at["arch"] == ast.literal_eval(ARCH_LINE.split("=", 1)[1].strip())  # step 5's name
     assert "features.0.0.weight" in stopped_at["model"]  # the copy's model: MobileNetV3, not ResNet-18
     assert stopped_at["model"]["classifier.3.weight"].shape[0] == CLASSES  # one output per class of the folder
 
@@ -107,50 +166,52 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     assert [r["epoch"] for r in records] == [1, 2] and records[-1]["samples"] == 17
 
     # every test image counted once at another world size: 17 over 4 ranks is 5, 4, 4 and 4
-    check(subprocess.run(torchrun(template / "distributed.py", 4) + flags + ["--evaluate"], cwd=tmp_path,
-                         env=subprocess_env(), capture_output=True, text=True, timeout=300))
+    check(subprocess.run(torchrun(template / "distributed.py", 4) + flags + ["--output-dir", str(out), "--evaluate"],
+                         cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300))
     evaluated = json.loads((out / "eval.json").read_text())
     assert evaluated["samples"] == 17
     for key in ("test_loss", "top1", "top5"):
         assert evaluated[key] == pytest.approx(records[-1][key], rel=1e-5), key
 
+    # step 8, in one process: the finished run refuses another --epochs; --init-from trains on from its weights
+    python = [sys.executable, str(template / "distributed.py")]
+    refused = subprocess.run(python + flags + ["--output-dir", str(out), "--epochs", "3"], cwd=tmp_path,
+                             env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and f"{out / 'checkpoint.pt'} is a run with --epochs 2, not 3" in refused.stderr, \
+        refused.stderr[-3000:]
+    longer = tmp_path / "longer"
+    trained = check(subprocess.run(python + flags + ["--epochs", "1", "--init-from", str(out / "checkpoint.pt"),
+                                                     "--output-dir", str(longer)],
+                                   cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300))
+    assert f"starting a new run from the weights in {out / 'checkpoint.pt'}" in trained.stdout, trained.stdout
+    assert [r["epoch"] for r in read_metrics(longer)] == [1]
+
 
 @pytest.mark.slow
 def test_a_copy_whose_data_folder_lacks_a_split_says_so_in_one_line(template, tmp_path):
-    (tmp_path / "pngs" / "test").rename(tmp_path / "pngs" / "val")  # the page's datasets() reads "test"
+    (tmp_path / "images" / "test").rename(tmp_path / "images" / "val")  # the page's datasets() reads "test"
     result = subprocess.run([sys.executable, str(template / "distributed.py"), "--device", "cpu", "--data-dir",
-                             str(tmp_path / "pngs"), "--workers", "0", "--output-dir", str(tmp_path / "run")],
+                             str(tmp_path / "images"), "--workers", "0", "--output-dir", str(tmp_path / "run")],
                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-3000:]
-    assert "error: No such file or directory:" in lines[0] and str(tmp_path / "pngs" / "test") in lines[0], lines
+    assert "error: No such file or directory:" in lines[0] and str(tmp_path / "images" / "test") in lines[0], lines
     assert not (tmp_path / "run" / "checkpoint.pt").exists()
-
-
-def page_diff() -> str:
-    """The change docs/template.md shows for a copy without the safety net, as the page has it."""
-    page = (ROOT / "docs" / "template.md").read_text()
-    return page.split("```diff\n", 1)[1].split("```\n", 1)[0]
 
 
 @pytest.mark.slow
 def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
-    """distributed.py, utils/ and speed/ only, without the modules the page says belong to the other scripts, the
-    page's diff applied, the page's image folder: it trains under torchrun, at the learning rate the global batch
+    """Made by the page's commands (exactly the files --files --without-safety-net lists, the page's diff applied),
+    step 2's datasets() for the page's image folder: it trains under torchrun, at the learning rate the global batch
     gives, to well above chance (1 in 6), writing nothing."""
-    copy = tmp_path / "lean"
-    copy.mkdir()
-    shutil.copy(ROOT / "distributed.py", copy)
-    others = ("spawn.py", "gpus.py", "precision.py", "live_recovery.py",  # as docs/template.md says
-              "cuda_graphs.py", "device_loader.py")  # of speed/: distributed_apex.py's fast GPU path
-    shutil.copytree(ROOT / "utils", copy / "utils", ignore=shutil.ignore_patterns("__pycache__", *others))
-    shutil.copytree(ROOT / "speed", copy / "speed", ignore=shutil.ignore_patterns("__pycache__", *others))
-    replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
-    subprocess.run(["git", "apply", "-"], cwd=copy, input=page_diff(), text=True, check=True)
+    copy = tmp_path / "my_project"
+    run_page_commands(block_after(LEAN), copy)
+    assert files_of(copy) == {*copy_size.files("distributed.py", without_safety_net=True), "requirements.txt"}
     assert "safety_net" not in (copy / "distributed.py").read_text()
-    write_image_folder(tmp_path / "pngs", {"train": 32, "test": 3})
+    replace_functions(copy / "utils" / "data.py", DATA)  # ResNet-18 stays, with 6 outputs
+    write_image_folder(tmp_path / "images", {"train": 32, "test": 3})
     result = check(subprocess.run(torchrun(copy / "distributed.py", 2) + [
-        "--device", "cpu", "--data-dir", str(tmp_path / "pngs"), "--epochs", "6", "--batch-size", "16", "--workers",
+        "--device", "cpu", "--data-dir", str(tmp_path / "images"), "--epochs", "6", "--batch-size", "16", "--workers",
         "0"], cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300))
     epochs = [line for line in result.stdout.splitlines() if line.startswith("epoch ")]
     top1 = [float(line.split("top1 ")[1].split("%")[0]) for line in epochs]
@@ -159,12 +220,21 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     assert not list(tmp_path.glob("**/checkpoint.pt")) and not (tmp_path / "runs").exists()
 
 
-def test_the_page_counts_each_copy_as_the_command_does():
+def test_the_page_counts_each_copy_as_the_command_does(capsys):
     """docs/template.md's table of what each copy takes is what `python -m benchmarks.copy_size` prints now, its
-    last row measured on the page's own diff applied; and the copy of distributed.py takes nothing of safety_net/
-    once the diff is applied, nor of speed/ but its techniques."""
-    from benchmarks import copy_size
+    last row measured on the page's own diff applied; the copy of distributed.py takes nothing of safety_net/ once
+    the diff is applied, nor of speed/ but its techniques; the page's lists of the files to copy are what
+    `--files` prints, and `--diff` prints the page's diff."""
     table = copy_size.table()
-    assert table in (ROOT / "docs" / "template.md").read_text(), table
+    assert table in page(), table
     lean = table.strip().splitlines()[-1]
     assert "safety_net" not in lean and "cuda_graphs" not in lean and "device_loader" not in lean, lean
+    for heading, extra in ((STEP_1, []), (LEAN, ["--without-safety-net"])):
+        copy_size.main(["--files", "distributed.py", *extra])
+        printed = capsys.readouterr().out
+        assert block_after(heading, "text") == printed, printed
+        assert printed.splitlines()[0] == "distributed.py" and all((ROOT / f).is_file() for f in printed.split())
+    assert "safety_net" not in printed and "speed/cuda_graphs.py" not in printed
+    copy_size.main(["--diff"])
+    diff = capsys.readouterr().out
+    assert diff == page().split("```diff\n", 1)[1].split("```\n", 1)[0] and "-from safety_net import SafetyNet" in diff

@@ -81,8 +81,8 @@ def add_training_flags(parser: Parser) -> None:
     train.add_argument("--clip-grad-norm", type=positive_float, default=None, metavar="MAX",
                        help="scale each step's gradients down to a global norm of MAX where they exceed it (the "
                             "norm over every rank's, shard's and stage's, after unscaling and after the last "
-                            "micro-batch); its value before clipping goes to the progress lines and metrics.jsonl. "
-                            "Off by default")
+                            "micro-batch); the safety net logs the norm before clipping (progress lines, "
+                            "metrics.jsonl). Off by default")
     train.add_argument("--seed", type=int, default=0, help="seed of the weights, the data order and the augmentation")
 
 
