@@ -1,7 +1,8 @@
 """The failure programs (failures/), each run both ways: the broken form shows its symptom within seconds (the
 error, the hang cut short and the rank or collective named, or the wrong number next to the right one), the
 fixed form ends clean, and no process is left behind. The runs all start in one module fixture, three at a time:
-a hang spends its 5 s waiting, while the others use the cores."""
+a hang spends its 5 s waiting, while the others use the cores; skipped_collective.py alone runs in its own test,
+followed by the reader of the flight recorder's dumps it writes."""
 import ast
 import contextlib
 import json
@@ -22,7 +23,9 @@ from script_runs import ROOT, subprocess_env
 from examples.local_processes import group_members
 
 FAILURES = ROOT / "failures"
-PROGRAMS = sorted(path.name for path in FAILURES.glob("[!_]*.py"))
+READER = "read_flight_recorder.py"  # the tool that reads the flight recorder's dumps, not a failure
+PROGRAMS = sorted(path.name for path in FAILURES.glob("[!_]*.py") if path.name != READER)
+RUN_ALONE = {"skipped_collective.py"}  # its own test runs it, then the reader on the files it wrote
 RUNS = [  # (program, arguments, extra environment): every program both ways, and the tools that name the cause
     ("eval_on_rank0.py", (), {}), ("eval_on_rank0.py", ("--fixed",), {}),
     ("uneven_inputs.py", (), {}), ("uneven_inputs.py", ("--fixed",), {}),
@@ -55,16 +58,16 @@ class Ran:
     left: list[int] = field(default_factory=list)  # processes of the run still alive after it ended
 
 
-def run_program(program: str, args: tuple, env: dict) -> Ran:
+def run_program(program: str, args: tuple, env: dict, limit: int = LIMIT) -> Ran:
     """The program as a user runs it, in a session of its own, so that every process it starts can be found."""
     start = time.monotonic()
     proc = subprocess.Popen([sys.executable, str(FAILURES / program), *args], cwd=ROOT, env=subprocess_env(**env),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
-        output = proc.communicate(timeout=LIMIT)[0]
+        output = proc.communicate(timeout=limit)[0]
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        output = proc.communicate()[0] + f"\n(killed after {LIMIT} s)"
+        output = proc.communicate()[0] + f"\n(killed after {limit} s)"
     ran = Ran(proc.returncode, output, time.monotonic() - start, group_members(proc.pid))
     for pid in ran.left:
         with contextlib.suppress(ProcessLookupError):
@@ -88,7 +91,7 @@ def ran():
 @pytest.mark.slow
 @pytest.mark.timeout(RUNS_TIMEOUT)
 def test_every_program_ran_both_ways_and_left_no_process(ran):
-    assert {program for program, _, _ in RUNS} == set(PROGRAMS)
+    assert {program for program, _, _ in RUNS} | RUN_ALONE == set(PROGRAMS)
     for program, args, env in RUNS:
         result = ran(program, *args, **env)
         assert not result.left, f"{program} {args}: processes left running {result.left}\n{result.output}"
@@ -279,6 +282,42 @@ def test_zero1_state_consolidated_on_rank0_alone_hangs_and_every_rank_consolidat
     assert fixed.output.count("the momentum of 4 of 4 parameters") == 3  # each checkpoint holds the whole state
     held = [int(n) for n in re.findall(r"rank \d: step 0, holds the momentum of (\d) of 4", fixed.output)]
     assert sorted(held) == [1, 3], fixed.output  # whole parameters dealt to the ranks, each held once
+
+
+ALONE_LIMIT = 30  # seconds for one run of the test below; the broken form takes about 9 (2 s importing, a 5 s wait)
+
+
+def line_of(program: str, code: str) -> int:
+    return next(number for number, line in enumerate((FAILURES / program).read_text().splitlines(), 1)
+                if code in line)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(4 * ALONE_LIMIT)  # 3 runs, each stopped at ALONE_LIMIT: about 15 s together
+def test_a_skipped_collective_hangs_and_the_flight_recorder_names_the_rank_the_collective_and_the_line(tmp_path):
+    broken = run_program("skipped_collective.py", (), {"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/broken/rank_"},
+                         ALONE_LIMIT)
+    assert not broken.left and "(killed after" not in broken.output, broken.output
+    assert_hung_until_the_timeout(broken, "every rank finished the epoch")
+    assert "rank 1, step 4: loss nan, step skipped" in broken.output
+    line = line_of("skipped_collective.py", "dist.all_reduce(loss)")
+    assert re.search(rf"rank 0 still waiting after 3 s, at skipped_collective.py line {line} ", broken.output)
+    # each rank wrote its flight recorder, from the timer thread, while rank 0 waited
+    assert sorted(os.listdir(tmp_path / "broken")) == ["rank_0", "rank_1"], broken.output
+    read = subprocess.run([sys.executable, str(FAILURES / READER), str(tmp_path / "broken")], cwd=ROOT,
+                          env=subprocess_env(), capture_output=True, text=True, timeout=ALONE_LIMIT)
+    report = read.stdout + read.stderr
+    assert read.returncode == 0, report
+    # collective 6 (1: the launcher's barrier, then the all_reduces): rank 0 called it, at that line; rank 1 did not
+    assert "Not all ranks joining collective, sequence number: 6" in report, report
+    assert "collective: gloo:all_reduce" in report and "missing ranks: {1}" in report, report
+    assert f"main at {FAILURES / 'skipped_collective.py'}:{line}\n" in report, report
+    fixed = run_program("skipped_collective.py", ("--fixed",), {"TORCH_FR_DUMP_TEMP_FILE": f"{tmp_path}/fixed/rank_"},
+                        ALONE_LIMIT)
+    assert fixed.returncode == 0 and not fixed.left, fixed.output
+    assert "rank 0, step 4: loss 4.0, step skipped" in fixed.output and "rank 1, step 4: loss nan" in fixed.output
+    assert fixed.output.count("every rank finished the epoch") == 2, fixed.output
+    assert not (tmp_path / "fixed").exists(), fixed.output  # no dump: every rank ended the epoch within 1 s
 
 
 @pytest.mark.parametrize("program", PROGRAMS)
