@@ -4,6 +4,7 @@ into micro-batches that flow through the stages (torch.distributed.pipelining), 
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py                  # 4 stages on 4 GPUs
     torchrun --standalone --nproc_per_node=2 distributed_pipeline.py --device cpu     # 2 stages, 2 CPU processes
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --microbatches 8 --schedule gpipe
+    torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --replicas 2   # 2 copies of a 2-stage pipeline
 
 Each rank holds 1/S of the weights, gradients and optimizer state and sends activations (forward) and their gradients
 (backward) to its neighbours; while the pipeline fills and drains some stages wait: docs/sharding.md.
@@ -28,7 +29,7 @@ from utils.errors import UsageError, exit_on_error
 def parse_args(argv=None):
     parser = flags.make_parser(__doc__, __file__)
     flags.add_torchrun_flags(parser)  # --local-rank, --ip, --port: for launchers that set no environment
-    pipelining.add_flags(parser)  # --schedule, --microbatches
+    pipelining.add_flags(parser)  # --schedule, --microbatches, --replicas
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser, sync_bn=False)  # --device, --backend, --dist-timeout (BatchNorm: per micro-batch)
@@ -40,7 +41,7 @@ def parse_args(argv=None):
     return args
 
 
-def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm=None):
+def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm, grid):
     """One pass over the batches, the same on every stage: the schedule runs each micro-batch's forward and backward
     through all stages (activations and their gradients sent between ranks), then each rank steps its own layers."""
     stage.submod.train()
@@ -52,11 +53,12 @@ def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm
         # only the first stage feeds the images in, only the last compares with the targets; the gradients are the
         # mean over the micro-batches (the schedule divides each by their number), as one batch's would be
         schedule.step(*([images] if stage.is_first else []), target=targets if stage.is_last else None, losses=losses)
+        pipelining.average_over_copies(stage.submod, grid.copies)  # --replicas: each stage's gradients, over its copies
         grad_norm = None
         if max_norm:  # --clip-grad-norm: each stage holds its own layers' gradients, the model's norm is the root of
             # their squared norms summed over the stages (every stage: a collective), then each clips its own
             grad_norm = nn.utils.get_total_norm([p.grad for p in stage.submod.parameters()]) ** 2
-            dist.all_reduce(grad_norm)
+            dist.all_reduce(grad_norm, group=grid.pipeline)  # this copy's stages (each copy has the same gradients)
             grad_norm = grad_norm.sqrt()
             nn.utils.clip_grads_with_norm_(stage.submod.parameters(), max_norm, grad_norm)
         optimizer.step()
@@ -82,28 +84,32 @@ def split(model: nn.Module, stage: int, stages: int) -> nn.Sequential:
 
 
 def train(args, env, safety) -> int:
-    batch = args.batch_size  # every stage works on the whole global batch, in --microbatches pieces
+    grid = pipelining.layout(env, args.replicas)  # this rank's stage and copy of the pipeline, and their groups
+    batch = args.batch_size // args.replicas  # every stage of a copy works on its share, in --microbatches pieces
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle, the same batches on every stage (one replica: W = 1); DistributedSampler + set_epoch
-    sampler = data.ResumableDistributedSampler(train_set, num_replicas=1, rank=0, seed=args.seed,
-                                               drop_last=True)  # drop_last: whole batches, no sample repeated
+    # each epoch a seeded shuffle dealt to the copies in turn (copy c: c, c+R, ...), the same batches on each of its
+    # stages; DistributedSampler + set_epoch(skip)
+    sampler = data.ResumableDistributedSampler(train_set, num_replicas=args.replicas, rank=grid.replica,
+                                               seed=args.seed, drop_last=True)  # drop_last: no sample repeated
     # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
     loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
                    multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
     train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
-    test_loader = DataLoader(test_set, batch_size=batch, **loading)  # the whole test set on every stage, in order
+    # each copy's share of the test set, images c, c+R, ...: each counted once, by the last stage of one copy
+    test_loader = DataLoader(test_set, batch_size=batch, sampler=range(grid.replica, len(test_set), args.replicas),
+                             **loading)
     if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
         raise UsageError(f"{len(train_set)} training images make no whole batch of --batch-size {args.batch_size}")
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
     # every rank built the whole model from the same seed, and keeps its own stage's layers: 1/S of the weights
-    model = split(model, env.rank, env.world_size)
+    model = split(model, grid.stage, grid.stages)
     model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
         model.compile()
-    # the stage sends its output to rank + 1 and receives its input from rank - 1 (their gradients the other way)
-    stage = PipelineStage(model, stage_index=env.rank, num_stages=env.world_size, device=env.device)
+    # the stage sends its output to the next stage's rank and receives its input from the one before (gradients back)
+    stage = PipelineStage(model, stage_index=grid.stage, num_stages=grid.stages, device=env.device, group=grid.pipeline)
     # 1F1B: once full, each stage alternates a forward and a backward, so it holds the activations of at most S
     # micro-batches in flight, where GPipe's all-forwards-then-all-backwards holds all M; the same arithmetic
     schedule_kind = Schedule1F1B if args.schedule == "1f1b" else ScheduleGPipe
@@ -127,7 +133,8 @@ def train(args, env, safety) -> int:
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
+        train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety, args.clip_grad_norm, grid)
+        pipelining.broadcast_buffers_from_the_first_copy(model, grid.copies)  # one model to evaluate and save
         # through the pipeline, every test image once; every stage takes part, so a stop waits for its end
         results = pipelining.evaluate(stage, schedule, test_loader, env.device, batch)
         if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
@@ -145,7 +152,7 @@ def main(argv=None):
     with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
         env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
-        pipelining.check_stages(env.world_size, args.microbatches)  # at most 8 stages, a micro-batch for each
+        pipelining.check_stages(env.world_size, args.replicas, args.microbatches)  # at most 8 stages, M >= S
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:

@@ -235,7 +235,7 @@ def test_corrupt_checkpoint_is_refused_and_left_untouched(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(("world_size", "flags", "says"), [
-    ("9", [], "splits into at most 8 stages"),
+    ("9", [], "ResNet-18 splits into at most 8 (one residual block each)"),
     ("3", ["--microbatches", "2", "--batch-size", "16"], "--microbatches 2 is fewer than the 3 stages"),
 ])
 def test_a_pipeline_that_cannot_work_is_refused_before_its_ranks_meet(world_size, flags, says, tmp_path, capsys,

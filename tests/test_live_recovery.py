@@ -51,14 +51,15 @@ def assert_same_weights(states: list[dict]) -> None:
 @pytest.mark.timeout(300)
 def test_a_killed_group_heals_from_the_live_one_and_all_end_on_the_same_weights(tmp_path):
     """The demo command with groups of two processes (their gradients and SyncBatchNorm averaged within the group,
-    then between groups): group 1 SIGKILLed (its torchrun and processes) at step 10; group 0's steps go on with
-    1 of 2 groups while it is down; started again, group 1 heals from group 0; both end bit for bit equal. An epoch
-    of 120 steps: after the restart group 0 trains on alone until group 1 has started (in CI, with the other tests
-    on the same 2 cores, a restart outlasted the 40 steps that an epoch of 60 left, and group 0 ended first)."""
+    then between groups, then clipped): group 1 SIGKILLed (its torchrun and processes) at step 10; group 0's steps
+    go on with 1 of 2 groups while it is down; started again, group 1 heals from group 0; both end bit for bit
+    equal. An epoch of 120 steps: after the restart group 0 trains on alone until group 1 has started (in CI, with the
+    other tests on the same 2 cores, a restart outlasted the 40 steps that an epoch of 60 left, and group 0 ended
+    first)."""
     out = tmp_path / "demo"
     demo = [sys.executable, str(ROOT / "examples" / "live_recovery_demo.py"), "--port", str(free_port()),
             "--procs-per-group", "2", "--kill-at-step", "10", "--down-for-steps", "10", "--output-dir", str(out),
-            "--", "--epochs", "1", "--train-samples", "1920"]
+            "--", "--epochs", "1", "--train-samples", "1920", "--clip-grad-norm", "1.0"]
     result = subprocess.run(demo, cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=240)
     said = result.stdout
     assert result.returncode == 0, f"exit {result.returncode}\n{said[-4000:]}\n{result.stderr[-2000:]}"
@@ -68,6 +69,10 @@ def test_a_killed_group_heals_from_the_live_one_and_all_end_on_the_same_weights(
     assert len(alone) >= 2 and alone == sorted(alone) and alone[-1] - alone[0] >= 5, said[killed:restarted]
     assert re.search(r"\[group 1\] healed from a live replica group: .* at epoch 1, step \d+", said[restarted:]), said
     assert "2 of 2 replica groups" in said[said.index("[group 1] healed"):], said
+    # --clip-grad-norm after the average over the quorum's groups: each group logs its norm (group 1's epoch mean
+    # over the steps since it healed), and all end equal
+    norms = {group: re.findall(rf"\[group {group}\] epoch 1: .* grad_norm (\S+) ", said) for group in (0, 1)}
+    assert norms[0] and norms[1], norms
     assert_same_weights(final_weights(out, 2))
 
 

@@ -49,12 +49,18 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
                                                                               "gpipe", *CLIP]),
     "4 micro-batches in one process": ("distributed_gradient_accumulation.py", 1, "float64",
                                        ["--grad-accu-steps", "4", *CLIP]),
+    # 2 copies of a 2-stage pipeline against DDP on 2 ranks accumulating the same micro-batches, BatchNorm per rank
+    "pipeline, 2 copies of 2 stages": ("distributed_pipeline.py", 4, "float64", ["--microbatches", "2", "--replicas",
+                                                                                 "2", *CLIP]),
+    "2 micro-batches on 2 ranks": ("distributed_gradient_accumulation.py", 2, "float64",
+                                   ["--grad-accu-steps", "2", "--no-sync-bn", *CLIP]),
     # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
     "float16": ("distributed_apex.py", 1, "float32-8x8", ["--amp-dtype", "float16", "--batch-size", "4",
                                                           "--test-samples", "5", *CLIP]),
 }
 SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
     name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags)]
+SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks"}  # 6 processes: in the full suite only
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
 # SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
 RTOL, ATOL = 1e-6, 1e-9
@@ -139,6 +145,8 @@ def test_every_step_was_clipped_and_the_norms_are_logged(run):
     """--clip-grad-norm 0.1 clipped every step of the runs above (its norm before, the epoch's one step, logged by
     rank 0 in metrics.jsonl, is above 0.1), and a run without it logs no norm: the same weights as before the flag."""
     for name, (_, _, model, flags) in RUNS.items():
+        if name in SLOW:
+            continue
         norms = [epoch.get("grad_norm") for epoch in metrics(run(name))]
         if "--clip-grad-norm" not in flags:
             assert norms == [None] * len(norms), name
@@ -146,7 +154,7 @@ def test_every_step_was_clipped_and_the_norms_are_logged(run):
             assert all(norm > 0.1 for norm in norms), (name, norms)
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RUNS])
 def test_each_script_evaluates_every_test_image_once(name, run):
     """At 1, 2 and 3 ranks, each script's own test loader (and FSDP's padded shard) counts each of the 23 test
     images once, every epoch."""
@@ -215,3 +223,25 @@ def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_
     assert_same_training(resumed, saved(never_stopped), "resumed on 3 stages")
     momentum = [key for key in resumed["optimizer"] if key.endswith(".momentum_buffer")]
     assert len(momentum) == len(list(resnet18_cifar().parameters()))  # every parameter's, once
+
+
+@pytest.mark.slow
+def test_two_copies_of_a_two_stage_pipeline_train_the_weights_of_ddp_accumulating_their_micro_batches(run):
+    """--replicas 2 on 4 ranks (a 2 x 2 mesh): each copy of the pipeline trains on its share of every batch (the
+    sampler deals them to the copies as to DDP's ranks), each stage's gradients averaged over the copies, and the
+    clipping norm summed over one copy's stages: the weights, momentum, norms and losses of
+    distributed_gradient_accumulation.py on 2 ranks cutting their shares into the same micro-batches (BatchNorm per
+    rank and micro-batch, rank 0's statistics kept)."""
+    pipeline, reference = saved(run("pipeline, 2 copies of 2 stages")), saved(run("2 micro-batches on 2 ranks"))
+    assert_same_training(pipeline, reference, "2 x 2", momentum=False)
+    names = [key for key in reference["model"] if not key.endswith(("running_mean", "running_var", "tracked"))]
+    for index, key in enumerate(names):
+        torch.testing.assert_close(pipeline["optimizer"][f"state.{key}.momentum_buffer"],
+                                   reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
+                                   msg=f"momentum of {key}")
+    two_by_two, ddp = metrics(run("pipeline, 2 copies of 2 stages")), metrics(run("2 micro-batches on 2 ranks"))
+    for epoch, expected in zip(two_by_two, ddp, strict=True):
+        # not the test loss: DDP's ranks each evaluate with their own BatchNorm statistics (rank 0's, plus their
+        # last micro-batch's update), the pipeline's copies with the first copy's
+        for key in ("train_loss", "lr", "grad_norm", "samples"):
+            assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (key, epoch, expected)

@@ -1,6 +1,10 @@
 """What distributed_pipeline.py needs beyond its own lines: its flags and their checks, and the exact evaluation
 through the pipeline (every test image once, whatever the number of stages)."""
+from types import SimpleNamespace
+
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from utils import flags, metrics
 from utils.errors import UsageError
@@ -17,27 +21,67 @@ def add_flags(parser) -> None:
     group.add_argument("--microbatches", type=flags.positive_int, default=4, metavar="M",
                        help="micro-batches each global batch is cut into, at least one per stage; the stages idle "
                             "for (S-1)/(M+S-1) of a step (the bubble). BatchNorm normalises each micro-batch alone")
+    group.add_argument("--replicas", type=flags.positive_int, default=1, metavar="R",
+                       help="R copies of the pipeline, each on world size / R ranks and a 1/R share of every batch; "
+                            "each stage's gradients averaged over its R copies (DDP on a 2-D mesh of ranks)")
     parser.checks.append(_microbatches_divide_the_batch)
 
 
 def _microbatches_divide_the_batch(args) -> str | None:
-    if args.batch_size % args.microbatches:
-        return f"--batch-size {args.batch_size} does not divide into --microbatches {args.microbatches}"
-    if args.batch_size // args.microbatches < 2:
-        return (f"--batch-size {args.batch_size} in --microbatches {args.microbatches} leaves one image a "
-                "micro-batch: BatchNorm needs two or more to train")
+    pieces = args.replicas * args.microbatches  # each copy's share of the batch, cut into micro-batches
+    if args.batch_size % pieces:
+        return (f"--batch-size {args.batch_size} does not divide into --replicas {args.replicas} x --microbatches "
+                f"{args.microbatches}")
+    if args.batch_size // pieces < 2:
+        return (f"--batch-size {args.batch_size} in --replicas {args.replicas} x --microbatches {args.microbatches} "
+                "leaves one image a micro-batch: BatchNorm needs two or more to train")
     return None
 
 
-def check_stages(stages: int, microbatches: int) -> None:
-    """Before the ranks meet: as many stages (ranks) as the split allows, and a micro-batch for each stage to work
-    on (fewer hang in torch's schedules, pytorch/torchtitan#775)."""
+def check_stages(world_size: int, replicas: int, microbatches: int) -> None:
+    """Before the ranks meet: the ranks split into whole copies of the pipeline, as many stages as the split allows,
+    and a micro-batch for each stage to work on (fewer hang in torch's schedules, pytorch/torchtitan#775)."""
+    if world_size % replicas:
+        raise UsageError(f"{world_size} processes do not split into --replicas {replicas} copies of the pipeline")
+    stages = world_size // replicas
     if stages > BLOCKS:
-        raise UsageError(f"{stages} processes but ResNet-18 splits into at most {BLOCKS} stages (one residual block "
-                         "each); start at most 8")
+        raise UsageError(f"{stages} stages but ResNet-18 splits into at most {BLOCKS} (one residual block each); "
+                         f"start at most {BLOCKS * replicas} processes, or more --replicas")
     if microbatches < stages:
         raise UsageError(f"--microbatches {microbatches} is fewer than the {stages} stages: the pipeline would never "
                          f"fill (and torch's schedules hang); use --microbatches {stages} or more")
+
+
+def layout(env, replicas: int) -> SimpleNamespace:
+    """Where this rank sits: .stage of .stages in its copy .replica of the pipeline (rank = replica x stages + stage),
+    .pipeline the process group of its copy's stages (None: all ranks), .copies that of its stage in every copy (None:
+    one copy). Every rank (collective: makes the groups of the 2-D mesh)."""
+    stages = env.world_size // replicas
+    if replicas == 1:
+        return SimpleNamespace(stage=env.rank, stages=stages, replica=0, pipeline=None, copies=None)
+    mesh = init_device_mesh(env.device.type, (replicas, stages), mesh_dim_names=("copies", "pipeline"))
+    return SimpleNamespace(stage=mesh["pipeline"].get_local_rank(), stages=stages,
+                           replica=mesh["copies"].get_local_rank(), pipeline=mesh["pipeline"].get_group(),
+                           copies=mesh["copies"].get_group())
+
+
+def average_over_copies(model: torch.nn.Module, copies) -> None:
+    """--replicas: every rank (collective: an all-reduce per parameter over `copies`, after the step's last
+    micro-batch): each gradient averaged over the copies of this stage, as DDP would. Hand-written: DDP around a
+    stage fails its bucket rebuild after the schedule's several forwards (torch 2.14: "rebuilt parameter indices"
+    INTERNAL ASSERT). Nothing with one copy."""
+    if copies is not None:
+        for parameter in model.parameters():
+            dist.all_reduce(parameter.grad, group=copies)
+            parameter.grad /= dist.get_world_size(copies)
+
+
+def broadcast_buffers_from_the_first_copy(model: torch.nn.Module, copies) -> None:
+    """Every rank (collective: a broadcast per buffer over `copies`): the first copy's BatchNorm statistics in every
+    copy of this stage, as DDP keeps rank 0's; nothing with one copy."""
+    if copies is not None:
+        for buffer in model.buffers():
+            dist.broadcast(buffer, group=copies, group_src=0)
 
 
 @torch.no_grad()
