@@ -54,7 +54,7 @@ MUTATIONS = [
      "    mine = blocks[max(stage * len(blocks) // stages - 1, 0):", "a residual block held (and run) by two stages"),
     ("utils/pipelining.py", "totals += metrics.counts(logits[:real], targets)",
      "totals += metrics.counts(logits, padded[1])", "the pipeline's evaluation counts the padding of a short batch"),
-    ("distributed_pipeline.py", "            dist.all_reduce(grad_norm)\n", "",
+    ("distributed_pipeline.py", "            dist.all_reduce(grad_norm, group=grid.pipeline)", "            pass",
      "--clip-grad-norm: each stage clips by its own layers' norm, not the whole model's"),
     ("utils/precision.py", "    scaler.unscale_(optimizer)\n", "",
      "--clip-grad-norm under float16: the scaled gradients clipped, not the true ones"),
