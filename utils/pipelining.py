@@ -29,12 +29,12 @@ def add_flags(parser) -> None:
 
 def _microbatches_divide_the_batch(args) -> str | None:
     pieces = args.replicas * args.microbatches  # each copy's share of the batch, cut into micro-batches
+    into = f"--replicas {args.replicas} x " * (args.replicas > 1) + f"--microbatches {args.microbatches}"
     if args.batch_size % pieces:
-        return (f"--batch-size {args.batch_size} does not divide into --replicas {args.replicas} x --microbatches "
-                f"{args.microbatches}")
+        return f"--batch-size {args.batch_size} does not divide into {into}"
     if args.batch_size // pieces < 2:
-        return (f"--batch-size {args.batch_size} in --replicas {args.replicas} x --microbatches {args.microbatches} "
-                "leaves one image a micro-batch: BatchNorm needs two or more to train")
+        return (f"--batch-size {args.batch_size} in {into} leaves one image a micro-batch: BatchNorm needs two or "
+                "more to train")
     return None
 
 
