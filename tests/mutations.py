@@ -20,7 +20,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# (file, the text as it is, what it becomes, the behaviour that breaks); the text must occur in the file exactly once
+# (file, the text as it is, what it becomes, the behaviour that breaks); the text must occur in the file exactly once,
+# and a mutation keeps the file's line count (docs/template.md's copy table counts lines: a test would fail on that)
 MUTATIONS = [
     ("distributed.py", "    if not args.no_sync_bn:", "    if False:",
      "SyncBatchNorm never used: BatchNorm statistics per rank, not over the global batch"),
@@ -56,7 +57,7 @@ MUTATIONS = [
      "totals += metrics.counts(logits, padded[1])", "the pipeline's evaluation counts the padding of a short batch"),
     ("distributed_pipeline.py", "            dist.all_reduce(grad_norm, group=grid.pipeline)", "            pass",
      "--clip-grad-norm: each stage clips by its own layers' norm, not the whole model's"),
-    ("utils/precision.py", "    scaler.unscale_(optimizer)\n", "",
+    ("utils/precision.py", "    scaler.unscale_(optimizer)\n", "    None\n",
      "--clip-grad-norm under float16: the scaled gradients clipped, not the true ones"),
     ("distributed_fsdp.py",
      "        grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None",
