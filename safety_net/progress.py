@@ -54,9 +54,10 @@ class EpochProgress:
             self.norm_sum += torch.where(finite, self.norm, 0.0)
             self.norm_count += finite
         held = loss is not None
-        loss = loss.detach().float() if held else torch.zeros((), device=self.env.device)
-        self.loss_sum += loss
-        self.loss_count += held
+        if held:
+            loss = loss.detach().float()
+            self.loss_sum += loss
+            self.loss_count += 1
         self.recorded += 1
         self.step += 1
         if self.bar:
@@ -67,7 +68,8 @@ class EpochProgress:
             self.end = time.perf_counter()
         if self.step % self.print_freq and self.recorded > 1:  # and each epoch's first step: a line within seconds
             return
-        losses = torch.stack([loss, torch.tensor(float(held), device=loss.device), self.loss_sum])
+        mine = loss if held else torch.zeros((), device=self.env.device)  # made only at the steps that print
+        losses = torch.stack([mine, torch.tensor(float(held), device=mine.device), self.loss_sum])
         step_sum, holders, epoch_sum = collectives.all_reduce_sum(losses).tolist()
         step_loss = step_sum / holders  # the mean over the ranks that hold a loss
         self.check_finite(epoch_sum)

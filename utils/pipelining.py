@@ -23,7 +23,7 @@ def add_flags(parser) -> None:
                             "for (S-1)/(M+S-1) of a step (the bubble). BatchNorm normalises each micro-batch alone")
     group.add_argument("--replicas", type=flags.positive_int, default=1, metavar="R",
                        help="R copies of the pipeline, each on world size / R ranks and a 1/R share of every batch; "
-                            "each stage's gradients averaged over its R copies (DDP on a 2-D mesh of ranks)")
+                            "each stage's gradients averaged over its R copies, as DDP's (a 2-D mesh of ranks)")
     parser.checks.append(_microbatches_divide_the_batch)
 
 
