@@ -4,7 +4,7 @@
     python -m benchmarks.sharding --models resnet18,resnet50,vit_b4 --ranks 1,2,4
 
 For each model, strategy and world size it starts that many processes (gloo on the CPU, NCCL on GPUs),
-trains a few steps of synthetic 32x32 images and counts, on rank 0:
+trains a few steps of synthetic 32x32 images and counts, on rank 0 (the pipeline: on its largest stage):
 - the bytes it holds for parameters, gradients and optimizer state (summed over its tensors; under FSDP
   only its shards, as DTensor.to_local() gives them);
 - its peak memory as the device reports it (CUDA's max_memory_allocated; on the CPU the process's peak
@@ -15,9 +15,12 @@ trains a few steps of synthetic 32x32 images and counts, on rank 0:
 The rungs, each holding less per rank than the one before: DDP is distributed.py's (SyncBatchNorm, DDP); ZeRO-1 is
 distributed_zero.py's (DDP, its SGD in a ZeroRedundancyOptimizer: the optimizer state sharded); FSDP is
 distributed_fsdp.py's shard(), without reshard after forward (ZeRO-2-like) and with it (ZeRO-3-like); HSDP is
-shard() on its 2-D mesh of 2 replicas (--replicas 2), at even world sizes of 4 and more. ViT-B/4 is torchvision's
-VisionTransformer with a patch of 4 for 32x32 images (64 tokens), sharded per encoder block. Writes
-<output-dir>/sharding.md and .json.
+shard() on its 2-D mesh of 2 replicas (--replicas 2), at even world sizes of 4 and more. Pipeline is
+distributed_pipeline.py's split() and 1F1B schedule, a stage a rank, the same global batch (per-rank batch x
+ranks) in 2 micro-batches a stage; its figures are those of the rank holding the most (the last stage: layer4 and
+fc), its messages the point-to-point sends of activations and their gradients (counted by wrapping the schedule's).
+ViT-B/4 is torchvision's VisionTransformer with a patch of 4 for 32x32 images (64 tokens), sharded per encoder block.
+Writes <output-dir>/sharding.md and .json.
 """
 import argparse
 import contextlib
@@ -49,7 +52,8 @@ from utils.spawn import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
 EPOCH_IMAGES = 50_000
-STRATEGIES = ("DDP", "ZeRO-1", "FSDP, no reshard after forward", "FSDP", "HSDP")  # the ladder, rung by rung
+# the ladder, rung by rung; then the pipeline, which splits the layers instead (ResNet-18 only: its split())
+STRATEGIES = ("DDP", "ZeRO-1", "FSDP, no reshard after forward", "FSDP", "HSDP", "Pipeline")
 # torch.distributed's names (FSDP2 calls the *_single ones since torch 2.10 or so, *_tensor before)
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single", "broadcast")
@@ -92,6 +96,16 @@ def wrap(model: nn.Module, strategy: str, device: torch.device) -> nn.Module:
     return fully_shard(model, reshard_after_forward=reshard, mesh=mesh)
 
 
+def pipeline_stage(model: nn.Module, device: torch.device, microbatches: int):
+    """distributed_pipeline.py's stage of this rank and its 1F1B schedule."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    import distributed_pipeline
+    rank, ranks = dist.get_rank(), dist.get_world_size()
+    stage = PipelineStage(distributed_pipeline.split(model, rank, ranks).to(device), rank, ranks, device)
+    return stage, Schedule1F1B(stage, n_microbatches=microbatches, loss_fn=nn.CrossEntropyLoss())
+
+
 def make_optimizer(model: nn.Module, strategy: str) -> torch.optim.Optimizer:
     """The scripts' SGD; ZeRO-1's is distributed_zero.py's, each rank's SGD over its share of the parameters."""
     settings = dict(lr=0.01, momentum=0.9, weight_decay=5e-4)
@@ -118,6 +132,16 @@ class CountedCollectives:
         self.calls, self.bytes, self.saved = {}, {}, {}
 
     def __enter__(self):
+        from torch.distributed.pipelining import schedules
+        original_p2p = self.saved["p2p"] = schedules._batch_p2p  # a stage's sends and receives, each batch of them
+
+        @functools.wraps(original_p2p)
+        def counted_p2p(ops, *args, **kwargs):
+            sends = [op.tensor for op in ops if op.op is dist.isend]
+            self.calls["send"] = self.calls.get("send", 0) + len(sends)
+            self.bytes["send"] = self.bytes.get("send", 0) + sum(t.numel() * t.element_size() for t in sends)
+            return original_p2p(ops, *args, **kwargs)
+        schedules._batch_p2p = counted_p2p
         for name in (n for n in COLLECTIVES if hasattr(dist, n)):
             original = self.saved[name] = getattr(dist, name)
 
@@ -133,6 +157,8 @@ class CountedCollectives:
         return self
 
     def __exit__(self, *exc):
+        from torch.distributed.pipelining import schedules
+        schedules._batch_p2p = self.saved.pop("p2p")
         for name, original in self.saved.items():
             setattr(dist, name, original)
 
@@ -152,20 +178,28 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
                             rank=rank, world_size=world_size)
     try:
-        model = wrap(build(config["model"]), config["strategy"], device)
+        pipeline = config["strategy"] == "Pipeline"
+        if pipeline:  # every stage the same global batch, in 2 micro-batches a stage
+            stage, schedule = pipeline_stage(build(config["model"]), device, 2 * world_size)
+            model = stage.submod
+        else:
+            model = wrap(build(config["model"]), config["strategy"], device)
         optimizer = make_optimizer(model, config["strategy"])
-        g = torch.Generator().manual_seed(rank)
-        images = torch.randn(config["batch_size"], 3, 32, 32, generator=g).to(device)
-        targets = torch.randint(0, 100, (config["batch_size"],), generator=g).to(device)
+        g = torch.Generator().manual_seed(0 if pipeline else rank)
+        batch = config["batch_size"] * (world_size if pipeline else 1)
+        images = torch.randn(batch, 3, 32, 32, generator=g).to(device)
+        targets = torch.randint(0, 100, (batch,), generator=g).to(device)
         times, counted = [], CountedCollectives()  # the collectives of the first timed step
         for step in range(config["warmup"] + config["steps"]):
             if device.type == "cuda":
                 torch.cuda.synchronize()
             started = time.perf_counter()
             with counted if step == config["warmup"] else contextlib.nullcontext():
-                loss = nn.functional.cross_entropy(model(images), targets)
                 optimizer.zero_grad(set_to_none=False)  # gradients kept, to count them below
-                loss.backward()
+                if pipeline:  # the first stage takes the images, the last the targets
+                    schedule.step(*[images][:stage.is_first], target=targets if stage.is_last else None)
+                else:
+                    nn.functional.cross_entropy(model(images), targets).backward()
                 optimizer.step()
             if device.type == "cuda":
                 torch.cuda.synchronize()
@@ -173,6 +207,7 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
                 times.append(time.perf_counter() - started)
         params = list(model.parameters())
         result = {
+            "rank": rank,
             "parameters": sum(p.numel() for p in params),
             "param_bytes": local_bytes(params),
             "grad_bytes": local_bytes(p.grad for p in params if p.grad is not None),
@@ -181,24 +216,28 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
             "step_s": statistics.median(times),
             "collectives": counted.calls, "collective_bytes": counted.bytes,
         }
-        if rank == 0:
-            Path(out).write_text(json.dumps(result))
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
 def run(config: dict) -> dict:
+    """Rank 0's figures; the pipeline's, those of the rank holding the most (its largest stage)."""
     with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "rank0.json")
-        mp.spawn(measure, args=(config["ranks"], free_port(), config, out), nprocs=config["ranks"])
-        return {**config, **json.loads(Path(out).read_text())}
+        mp.spawn(measure, args=(config["ranks"], free_port(), config, scratch), nprocs=config["ranks"])
+        ranks = [json.loads(Path(scratch, f"rank{r}.json").read_text()) for r in range(config["ranks"])]
+    if config["strategy"] == "Pipeline":
+        largest = max(ranks, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"])
+        return {**config, **largest, "parameters": sum(r["parameters"] for r in ranks)}
+    return {**config, **ranks[0]}
 
 
 def markdown(results: list[dict], meta: dict) -> str:
     mb = 2**20
     lines = [f"Hardware: {meta['hardware']}; torch {meta['torch']}. Command: `{meta['command']}`.",
              f"Per-rank batch {meta['batch_size']}, float32, SGD with momentum; median of {meta['steps']} steps "
-             f"after {meta['warmup']}. Bytes are rank 0's, counted from its tensors.", "",
+             f"after {meta['warmup']}. Bytes are rank 0's (the pipeline's: its largest stage's, the rank named), "
+             "counted from its tensors.", "",
              "| model | parameters | strategy | ranks | params MB | grads MB | optimizer MB | state MB / rank "
              "| peak MB (device) | collectives / step | MB of their buffers / step | s per 50,000-image epoch "
              "| time vs DDP |",
@@ -210,7 +249,8 @@ def markdown(results: list[dict], meta: dict) -> str:
         calls = ", ".join(f"{n} {k.replace('_into_tensor', '').replace('_single', '').replace('_tensor', '')}"
                           for k, n in sorted(r["collectives"].items())) or "none"
         epoch = EPOCH_IMAGES / (r["batch_size"] * r["ranks"]) * r["step_s"]
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {r['strategy']} | {r['ranks']} "
+        strategy = r["strategy"] + (f" (rank {r['rank']})" if r.get("rank") else "")
+        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {strategy} | {r['ranks']} "
                      f"| {r['param_bytes'] / mb:.0f} | {r['grad_bytes'] / mb:.0f} | {r['optimizer_bytes'] / mb:.0f} "
                      f"| {state / mb:.0f} | {r['peak_memory_mb']:.0f} | {calls} "
                      f"| {sum(r['collective_bytes'].values()) / mb:.0f} | {epoch:.0f} "
@@ -246,7 +286,8 @@ def main(argv=None):
         parser.error(f"--ranks {max(ranks)} needs as many GPUs; {torch.cuda.device_count()} visible")
     steps = 3 if args.quick else args.steps
     plan = [(m, s, n) for m in model_names for n in (ranks if m == "resnet18" or not args.quick else [2])
-            for s in STRATEGIES if s != "HSDP" or n >= 4 and n % 2 == 0]
+            for s in STRATEGIES if (s != "HSDP" or n >= 4 and n % 2 == 0)
+            and (s != "Pipeline" or m == "resnet18" and 2 <= n <= 8)]
     results = []
     for i, (model, strategy, n) in enumerate(plan, 1):
         started = time.perf_counter()
@@ -254,7 +295,8 @@ def main(argv=None):
                             "steps": steps, "warmup": args.warmup, "device": device}))
         r = results[-1]
         print(f"[{i}/{len(plan)}] {model}, {strategy}, {n} rank(s): "
-              f"{(r['param_bytes'] + r['grad_bytes'] + r['optimizer_bytes']) / 2**20:.0f} MB of state on rank 0, "
+              f"{(r['param_bytes'] + r['grad_bytes'] + r['optimizer_bytes']) / 2**20:.0f} MB of state on rank "
+              f"{r['rank']}, "
               f"{r['step_s']:.2f} s per step ({time.perf_counter() - started:.0f} s)", flush=True)
     name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),

@@ -30,7 +30,7 @@ PROFILE = "profile"  # safety_net.profiling.FOLDER, without importing torch
 CATEGORIES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868", "data loading": "#c7c7c7"}
 COMPUTE = ("forward", "backward", "optimizer")  # what the overlap counts as compute
 COLLECTIVE_COLOURS = {"all_reduce": "#8172b3", "broadcast": "#64b5cd", "all_gather": "#ccb974",
-                      "reduce_scatter": "#c44e52", "memcpy": "#937860"}
+                      "reduce_scatter": "#c44e52", "memcpy": "#937860", "send": "#da8bc3", "recv": "#8c8c8c"}
 # bytes of an element, by every name a trace gives a dtype: the CPU operators' "Input type" (C++ names), and the
 # "dtype" that record_param_comms attaches to a collective's kernels (ScalarType names, or torch's in newer torch)
 DTYPE_BYTES = {"float": 4, "double": 8, "int": 4, "long int": 8, "c10::Half": 2, "c10::BFloat16": 2, "bool": 1,
@@ -274,6 +274,37 @@ def overlap(lanes: list[Lane]) -> tuple[float, list[float]]:
     return (shared_all / comm_all if comm_all else float("nan")), shares
 
 
+def pipeline_idle(lanes: list[Lane]) -> list[list[float]]:
+    """The pipeline's bubble as measured: for each recorded step, each rank's idle share of the schedule's span (from
+    the first forward or backward operator any rank runs in that step to the last one any rank ends), idle being the
+    time the rank runs no forward or backward operator of its own in the span: waiting for a neighbour's activations
+    or gradients, sending them, or done (its optimizer step is idle here). Theory: (S-1)/(M+S-1) of every rank."""
+    steps = min(len(lane.steps) for lane in lanes)
+    shares = []
+    for k in range(steps):
+        work = []  # each rank's forward and backward intervals within its own step k
+        for lane in lanes:
+            start, end, _ = lane.steps[k]
+            work.append(_merged([(max(s, start), min(e, end)) for what in ("forward", "backward")
+                                 for s, e in lane.compute.get(what, []) if e > start and s < end]))
+        span = (min(w[0][0] for w in work if w), max(w[-1][1] for w in work if w))
+        shares.append([1 - _intersection(w, [span]) / (span[1] - span[0]) for w in work])
+    return shares
+
+
+def summary_text(lanes: list[Lane]) -> str:
+    """The title's line: the overlap, and for a pipeline (its stages send and receive) the bubble before it."""
+    if any(c.asked in ("send", "recv") for lane in lanes for c in lane.collectives):
+        return f"{idle_text(lanes)}; {overlap_text(lanes)}"
+    return overlap_text(lanes)
+
+
+def idle_text(lanes: list[Lane]) -> str:
+    shares = pipeline_idle(lanes)
+    each = ", ".join(f"{lane.name} {sum(s[i] for s in shares) / len(shares):.0%}" for i, lane in enumerate(lanes))
+    return f"idle in the schedule's span (the bubble): {each}"
+
+
 def size_text(size: int) -> str:
     for unit, scale in (("MB", 2**20), ("KB", 2**10)):
         if size >= scale:
@@ -290,7 +321,8 @@ def overlap_text(lanes: list[Lane]) -> str:
 
 
 def draw(lanes: list[Lane], title: str, output: Path) -> None:
-    """One PNG: two lanes per rank (compute, communication), the steps marked, the overlap in the title."""
+    """One PNG: two lanes per rank (compute, communication), the steps marked, the overlap (and a pipeline's
+    bubble) in the title."""
     try:
         import matplotlib
     except ImportError:
@@ -332,7 +364,7 @@ def draw(lanes: list[Lane], title: str, output: Path) -> None:
     ax.set_xlim(0, end)
     ax.set_xlabel("ms from the first recorded step", fontsize=8)
     ax.tick_params(axis="x", labelsize=7)
-    ax.set_title(f"{title}\n{overlap_text(lanes)}", fontsize=9)
+    ax.set_title(f"{title}\n{summary_text(lanes)}", fontsize=9)
     handles = [Patch(color=CATEGORIES[c], label=c) for c in CATEGORIES if any(c in lane.compute for lane in lanes)]
     for name, (n, low, high, ran) in sorted(asked.items()):
         sizes = size_text(low) if low == high else f"{size_text(low)}-{size_text(high)}"
@@ -367,6 +399,7 @@ def read_run(run_dir: Path) -> list[Lane]:
     return [read_lane(name, trace, origin) for name, trace in traces.items()]
 
 
+PIPELINE = ["--batch-size", "64", "--train-samples", "256", "--microbatches", "4"]
 # name -> (how it starts, script, its own flags): the pictures of docs/timelines.md
 EVERY_SCRIPT = {
     "dataparallel": ("python", "dataparallel.py", ["--batch-size", "8"]),  # one process: the per-rank batch
@@ -380,6 +413,10 @@ EVERY_SCRIPT = {
     "distributed_fsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0"]),
     "distributed_fsdp_hsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0", "--replicas", "2"]),
     "distributed_live_recovery": ("replica groups", "distributed_live_recovery.py", []),
+    # 2 stages, each batch of 64 in 4 micro-batches of 16 (larger than the others': a micro-batch of 4 is mostly the
+    # schedule's own overhead on a CPU): 1F1B and GPipe, the bubble measured in the title
+    "distributed_pipeline": ("torchrun", "distributed_pipeline.py", PIPELINE),
+    "distributed_pipeline_gpipe": ("torchrun", "distributed_pipeline.py", PIPELINE + ["--schedule", "gpipe"]),
 }
 RANKS = {"distributed_fsdp_hsdp": 4}  # HSDP's 2 x 2 mesh; every other picture has 2 ranks
 # 4 steps of a global batch of 16 (8 per rank; 4 on HSDP's 4 ranks): 2 of warm-up, then the 2 recorded
@@ -415,7 +452,7 @@ def draw_every_script(folder: Path, runs: Path, only: list[str] | None = None) -
             start, f"{ranks} ranks (gloo)")
         title = f"{script} {' '.join(own)}".strip() + f": 2 recorded steps of {ran_as}"
         draw(lanes, title, folder / f"{name}.png")
-        print(f"{name}: {overlap_text(lanes)} -> {folder / name}.png", flush=True)
+        print(f"{name}: {summary_text(lanes)} -> {folder / name}.png", flush=True)
 
 
 def main(argv=None) -> None:
@@ -442,7 +479,7 @@ def main(argv=None) -> None:
         if not output.parent.is_dir():
             raise UsageError(f"--output {output}: {output.parent} is not a directory")
         draw(lanes, args.title or args.run.resolve().name, output)
-    print(f"{overlap_text(lanes)}; drawn into {output}")
+    print(f"{summary_text(lanes)}; drawn into {output}")
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Each bad input: one line on stderr naming the problem, exit status 2, nothing overwritten."""
 import importlib
+import os
 import socket
 import sys
 import time
@@ -251,6 +252,29 @@ def test_a_pipeline_that_cannot_work_is_refused_before_its_ranks_meet(world_size
     result = run_main(distributed_pipeline.main, TINY + flags + ["--output-dir", str(tmp_path / "out")], capsys)
     assert_one_line_error(result, says)
     assert not (tmp_path / "out").exists()
+
+
+def test_a_pipeline_on_an_output_dir_another_run_holds_is_refused_touching_nothing(tmp_path, capsys, monkeypatch):
+    """One run per directory, for the pipeline as for every script: a stage started by torchrun on a folder whose
+    lock another run holds (here this process, as a second open of the lock would be) says so in one line before any
+    process group, and the other run's checkpoint stays as it was."""
+    import distributed_pipeline
+    from safety_net import checkpoint
+    out = tmp_path / "out"
+    (out / "checkpoint.dcp").mkdir(parents=True)
+    (out / "checkpoint.dcp" / "run.pt").write_bytes(b"the other run's")
+    held = checkpoint.lock_output_dir(str(out))
+    try:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+        for name, value in dict(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                                MASTER_PORT="1").items():
+            monkeypatch.setenv(name, value)
+        result = run_main(distributed_pipeline.main, TINY + ["--output-dir", str(out)], capsys)
+    finally:
+        os.close(held)
+    assert_one_line_error(result, f"--output-dir {out} is in use by another run (process {os.getpid()}")
+    assert sorted(p.name for p in out.iterdir()) == sorted([checkpoint.LOCKNAME, "checkpoint.dcp"])
+    assert (out / "checkpoint.dcp" / "run.pt").read_bytes() == b"the other run's"
 
 
 @pytest.mark.parametrize("module", ["distributed", "distributed_mp", "distributed_apex",

@@ -1,6 +1,8 @@
 """distributed_pipeline.py as a user runs it, under torchrun on 2 CPU ranks (2 stages): Ctrl-C mid-epoch stops both
-stages at one step with a checkpoint (each stage writing its layers' part), the same command continues from there to
-the weights of a run never stopped, bit for bit, and one process evaluates the checkpoint, every test image once.
+stages at one step with a checkpoint (each stage writing its layers' part) and leaves no process, the same command
+continues from there to the weights of a run never stopped, bit for bit, and one process evaluates the checkpoint,
+every test image once. The run never stopped is profiled (--profile-steps): its stages send each micro-batch's
+activations and their gradients point to point, and idle while the pipeline fills and drains (the timeline's bubble).
 
 Its equality with one process accumulating the same micro-batches, at 2 and 3 stages and clipped, and its resume at
 another number of stages, are proven in float64 in tests/test_scripts_equal.py.
@@ -14,6 +16,7 @@ import torch
 from processes import Run
 from script_runs import TINY, check, launcher, read_metrics, run
 
+from benchmarks import timeline
 from safety_net.sharded_checkpoint import to_single_file
 
 STEPS = ["--train-samples", "96", "--microbatches", "4"]  # 6 steps of the global batch of 16 in TINY
@@ -23,8 +26,18 @@ STEPS = ["--train-samples", "96", "--microbatches", "4"]  # 6 steps of the globa
 @pytest.mark.timeout(400)
 def test_ctrl_c_mid_epoch_then_the_same_command_ends_on_the_weights_of_a_run_never_stopped(tmp_path):
     command = launcher("torchrun", "distributed_pipeline.py") + TINY + STEPS
-    never_stopped = tmp_path / "never-stopped"
-    check(run(command + ["--output-dir", str(never_stopped)]))
+    never_stopped = tmp_path / "never-stopped"  # its steps 3 and 4 profiled: the same arithmetic, the bubble drawn
+    check(run(command + ["--profile-steps", "2", "--output-dir", str(never_stopped)]))
+    lanes = timeline.read_run(never_stopped)
+    assert len(lanes) == 2
+    for lane in lanes:
+        kinds = {c.asked for c in lane.collectives}
+        assert {"send", "recv"} <= kinds, kinds  # activations forward, their gradients back: point to point
+        assert {c.size for c in lane.collectives if c.asked in ("send", "recv")} == {4 * 128 * 16 * 16 * 4}  # layer2
+    for step in timeline.pipeline_idle(lanes):  # each stage waits while the pipeline fills and drains
+        assert all(0.05 < share < 0.95 for share in step), step
+    timeline.main([str(never_stopped)])
+    assert (never_stopped / "timeline.png").stat().st_size > 1000
     stopped = tmp_path / "stopped"
     started = Run(command + ["--output-dir", str(stopped)])
     started.wait_for("epoch 1/1 step 2/6")

@@ -90,6 +90,31 @@ def test_timeline_reads_compute_collectives_and_their_overlap(tmp_path, capsys):
     assert (tmp_path / "timeline.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_pipelines_idle_share_is_the_time_each_stage_runs_none_of_its_own_work_in_the_schedules_span():
+    """GPipe of 2 micro-batches on 2 stages drawn as the theory has it (each forward or backward a slot of 10 ms, no
+    time to send): each stage idles 2 slots of 6, (S-1)/(M+S-1) = 1/3. Its optimizer step and the next step's work
+    are not its own forward or backward of the step."""
+    first = timeline.Lane("rank 0", steps=[(0, 70, "step 1"), (70, 80, "step 2")],
+                          compute={"forward": [(0, 20), (71, 72)], "backward": [(40, 60)], "optimizer": [(60, 70)]})
+    last = timeline.Lane("rank 1", steps=[(0, 70, "step 1"), (70, 80, "step 2")],
+                         compute={"forward": [(10, 30), (72, 73)], "backward": [(30, 50)], "optimizer": [(50, 55)]})
+    (step1, step2) = timeline.pipeline_idle([first, last])
+    assert step1 == [pytest.approx(1 / 3), pytest.approx(1 / 3)]  # the span: 0 to 60
+    assert step2 == [pytest.approx(1 / 2), pytest.approx(1 / 2)]  # 71 to 73, each busy for 1
+    assert timeline.idle_text([first, last]) == "idle in the schedule's span (the bubble): rank 0 42%, rank 1 42%"
+
+
+@pytest.mark.parametrize(("flags", "says"), [(["--microbatches", "2,x"], "comma-separated integers"),
+                                            (["--stages", "9"], "--stages 9: a pipeline of ResNet-18 has 2 to 8"),
+                                            (["--microbatches", "3"], "--microbatches 3: needs M >= --stages 2"),
+                                            (["--schedules", "zb"], "--schedules zb: choose from 1f1b, gpipe")])
+def test_the_bubble_benchmarks_bad_values_are_one_line_before_any_run(flags, says, tmp_path, capsys):
+    from benchmarks import bubble
+    result = run_main(bubble.main, flags + ["--output-dir", str(tmp_path / "out")], capsys)
+    assert_one_line_error(result, says)
+    assert not (tmp_path / "out").exists()
+
+
 def test_timeline_of_a_folder_without_traces_is_one_line(tmp_path, capsys):
     result = run_main(timeline.main, [str(tmp_path)], capsys)
     assert_one_line_error(result, "holds no profile/rank0.json")

@@ -60,7 +60,8 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
 }
 SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
     name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags)]
-SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks"}  # 6 processes: in the full suite only
+# 6 processes, and 3 more stages: in the full suite only
+SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages"}
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
 # SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
 RTOL, ATOL = 1e-6, 1e-9
@@ -190,7 +191,8 @@ def test_mixed_precision_runs_autocast_and_scales_the_loss_as_the_script_builds_
     assert norms and all(0.1 < norm < 1000 for norm in norms), norms
 
 
-@pytest.mark.parametrize("name", ["pipeline, 1F1B on 2 stages", "pipeline, GPipe on 3 stages"])
+@pytest.mark.parametrize("name", ["pipeline, 1F1B on 2 stages",
+                                  pytest.param("pipeline, GPipe on 3 stages", marks=pytest.mark.slow)])
 def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_batches(name, run):
     """distributed_pipeline.py, each stage on its own rank holding its own layers: the weights, BatchNorm statistics
     and losses of distributed_gradient_accumulation.py in one process cutting each batch into the same 4
@@ -208,19 +210,23 @@ def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_bat
             assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
 
 
-def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_never_stopped(run, tmp_path):
-    """The 2-stage run's checkpoint after its first epoch (each stage wrote its layers' part), continued by the same
-    command on 3 stages (each reads the layers it now holds, optimizer state included): the weights, BatchNorm
-    statistics and momentum the 2-stage run reached without stopping."""
-    never_stopped = run("pipeline, 1F1B on 2 stages")
+@pytest.mark.slow  # 5 processes: the quick subset keeps 1F1B on 2 stages
+@pytest.mark.parametrize("name, stages", [("pipeline, 1F1B on 2 stages", 3), ("pipeline, GPipe on 3 stages", 2)])
+def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_never_stopped(name, stages, run,
+                                                                                              tmp_path):
+    """The run's checkpoint after its first epoch (each stage wrote its layers' part), continued by the same command
+    on another number of stages (each reads the layers it now holds, optimizer state included): the weights,
+    BatchNorm statistics and momentum the run reached without stopping. Its second step is then 1F1B's on 3 stages,
+    or GPipe's on 2: with the whole runs above, each schedule at 2 and at 3 stages equals one process accumulating."""
+    never_stopped = run(name)
     shutil.copytree(never_stopped / "checkpoint.1.dcp", tmp_path / "run" / "checkpoint.dcp")
-    _, _, model, flags = RUNS["pipeline, 1F1B on 2 stages"]
-    statuses = script_on_ranks(3, "distributed_pipeline.py", ARGS + flags + ["--output-dir", str(tmp_path / "run")],
-                               tmp_path / "ranks", model)
-    assert statuses == [0, 0, 0]
+    _, _, model, flags = RUNS[name]
+    statuses = script_on_ranks(stages, "distributed_pipeline.py",
+                               ARGS + flags + ["--output-dir", str(tmp_path / "run")], tmp_path / "ranks", model)
+    assert statuses == [0] * stages
     resumed = saved(tmp_path / "run")
-    assert (resumed["epoch"], resumed["world_size"]) == (2, 3)
-    assert_same_training(resumed, saved(never_stopped), "resumed on 3 stages")
+    assert (resumed["epoch"], resumed["world_size"]) == (2, stages)
+    assert_same_training(resumed, saved(never_stopped), f"resumed on {stages} stages")
     momentum = [key for key in resumed["optimizer"] if key.endswith(".momentum_buffer")]
     assert len(momentum) == len(list(resnet18_cifar().parameters()))  # every parameter's, once
 
