@@ -6,8 +6,9 @@ into micro-batches that flow through the stages (torch.distributed.pipelining), 
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --microbatches 8 --schedule gpipe
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --replicas 2   # 2 copies of a 2-stage pipeline
 
-Each rank holds 1/S of the weights, gradients and optimizer state and sends activations (forward) and their gradients
-(backward) to its neighbours; while the pipeline fills and drains some stages wait: docs/sharding.md.
+Each rank holds its stage's weights, gradients and optimizer state (dealt for equal compute, not equal memory: layer4,
+on the last stage, holds 75% of the weights), sends activations forward and their gradients back to its neighbours,
+and waits while the pipeline fills and drains (the bubble): docs/sharding.md, docs/timelines.md.
 """
 import sys
 from collections import OrderedDict
@@ -103,7 +104,7 @@ def train(args, env, safety) -> int:
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    # every rank built the whole model from the same seed, and keeps its own stage's layers: 1/S of the weights
+    # every rank built the whole model from the same seed, and keeps its own stage's layers (the others dropped)
     model = split(model, grid.stage, grid.stages)
     model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same

@@ -200,10 +200,11 @@ def markdown(found: dict) -> str:
     convolutions, activations, weights = activations_and_weights()
     lines += ["", f"ResNet-18's {convolutions} convolutions output {activations:,} values for one image "
               f"({activations * 4 / 2**20:.2f} MB in float32); its weights are {weights:,} values "
-              f"({weights * 4 / 2**20:.1f} MB). Splitting every convolution by output channel, each rank would "
-              f"gather the other channels before the next convolution: at a batch of 256, "
-              f"{activations * 4 * 256 / 2**20:,.0f} MB of activations a forward (and their gradients again "
-              f"backward), against the {weights * 4 / 2**20:.1f} MB of gradients DDP all-reduces a step."]
+              f"({weights * 4 / 2**20:.1f} MB). Split by output channel, each convolution needs all the channels "
+              f"of the one before, so its outputs would be gathered after every convolution: at a batch of 256 "
+              f"they are {activations * 4 * 256 / 2**20:,.0f} MB a forward, of which each of R ranks receives "
+              f"the (R-1)/R it did not compute (and their gradients again backward), against the "
+              f"{weights * 4 / 2**20:.1f} MB of gradients DDP all-reduces a step."]
     return "\n".join(lines) + "\n"
 
 
