@@ -125,6 +125,10 @@ def rows(device: str) -> list[Row]:
         # the whole model one FSDP unit under bfloat16 autocast: a fraction of the stages' host time (docs/sharding.md)
         Row("FSDP + bfloat16 autocast, one unit", "distributed_fsdp.py", "torchrun",
             ["--units", "model", "--amp-dtype", "bfloat16"], amp="bfloat16"),
+        # the layers split instead of the batch: a stage per process (one stage on one GPU: accumulation's arithmetic
+        # through the schedule), the same global batch in 4 micro-batches (docs/sharding.md)
+        Row("Pipeline (1F1B, 4 micro-batches)", "distributed_pipeline.py", "torchrun", ["--microbatches", "4"],
+            full_only=True),
         Row("DDP + bfloat16, all techniques", "distributed_apex.py", "spawn",
             ["--amp-dtype", "bfloat16", "--loader", "device", "--channels-last", "--optimizer-impl",
              "fused" if gpu else "auto"] + (["--compile"] if gpu else []), amp="bfloat16"),

@@ -7,6 +7,7 @@ import pytest
 from benchmarks import tensor_parallel
 
 
+@pytest.mark.slow  # 2 spawned processes
 @pytest.mark.timeout(120)
 def test_no_split_of_a_convolution_holds_less_than_its_weight_and_trains_right():
     found = tensor_parallel.measure("cpu")
