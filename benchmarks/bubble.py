@@ -19,11 +19,12 @@ import signal
 import statistics
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from benchmarks import run as benchmark
 from benchmarks import timeline
 from benchmarks.gpu_check import git_commit
-from utils import flags
+from utils import flags, pipelining
 from utils.errors import UsageError, exit_on_error
 
 RECORDED = 3
@@ -87,12 +88,14 @@ def main(argv=None) -> int:
         schedules = args.schedules.split(",")
         if not set(schedules) <= {"1f1b", "gpipe"}:
             raise UsageError(f"--schedules {args.schedules}: choose from 1f1b, gpipe")
-        if args.stages < 2 or args.stages > 8:
-            raise UsageError(f"--stages {args.stages}: a pipeline of ResNet-18 has 2 to 8")
-        for m in counts:
-            if m < args.stages or args.batch_size % m or args.batch_size // m < 2:
-                raise UsageError(f"--microbatches {m}: needs M >= --stages {args.stages} and --batch-size "
-                                 f"{args.batch_size} to divide into M micro-batches of 2 images or more")
+        if args.stages < 2:
+            raise UsageError(f"--stages {args.stages}: a pipeline has 2 stages or more")
+        for m in counts:  # the script's own checks, before any run: each M, the stages, the batch
+            pipelining.check_stages(args.stages, 1, m)
+            wrong = pipelining.microbatches_divide_the_batch(SimpleNamespace(batch_size=args.batch_size, replicas=1,
+                                                                             microbatches=m))
+            if wrong:
+                raise UsageError(wrong)
         meta = {"hardware": benchmark.hardware(args.device, args.stages), "commit": git_commit(),
                 "command": " ".join(["python -m benchmarks.bubble", *(sys.argv[1:] if argv is None else argv)])}
         plan = [(schedule, m) for schedule in schedules for m in counts]

@@ -105,8 +105,12 @@ def test_the_pipelines_idle_share_is_the_time_each_stage_runs_none_of_its_own_wo
 
 
 @pytest.mark.parametrize(("flags", "says"), [(["--microbatches", "2,x"], "comma-separated integers"),
-                                            (["--stages", "9"], "--stages 9: a pipeline of ResNet-18 has 2 to 8"),
-                                            (["--microbatches", "3"], "--microbatches 3: needs M >= --stages 2"),
+                                            (["--stages", "9"], "9 stages but ResNet-18 splits into at most 8"),
+                                            (["--stages", "1"], "--stages 1: a pipeline has 2 stages or more"),
+                                            (["--stages", "4", "--microbatches", "2"],
+                                             "--microbatches 2 is fewer than the 4 stages"),
+                                            (["--microbatches", "3"], "--batch-size 64 does not divide into "
+                                                                      "--microbatches 3"),
                                             (["--schedules", "zb"], "--schedules zb: choose from 1f1b, gpipe")])
 def test_the_bubble_benchmarks_bad_values_are_one_line_before_any_run(flags, says, tmp_path, capsys):
     from benchmarks import bubble

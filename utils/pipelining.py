@@ -24,10 +24,10 @@ def add_flags(parser) -> None:
     group.add_argument("--replicas", type=flags.positive_int, default=1, metavar="R",
                        help="R copies of the pipeline, each on world size / R ranks and a 1/R share of every batch; "
                             "each stage's gradients averaged over its R copies, as DDP's (a 2-D mesh of ranks)")
-    parser.checks.append(_microbatches_divide_the_batch)
+    parser.checks.append(microbatches_divide_the_batch)
 
 
-def _microbatches_divide_the_batch(args) -> str | None:
+def microbatches_divide_the_batch(args) -> str | None:
     pieces = args.replicas * args.microbatches  # each copy's share of the batch, cut into micro-batches
     into = f"--replicas {args.replicas} x " * (args.replicas > 1) + f"--microbatches {args.microbatches}"
     if args.batch_size % pieces:
