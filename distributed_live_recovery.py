@@ -145,6 +145,9 @@ def train(args, env, safety) -> int:
     # steps, by which the quorum tells which group is behind)
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
                   steps_per_epoch=len(train_loader))
+    # a group continuing from its checkpoint waits (--wait-for-groups) for as many groups as its last step had: trained
+    # on alone it could reach another's checkpointed step on other weights, and torchft heals only a group behind
+    safety.wait_for_the_groups_of_the_last_step(args.lighthouse, args.wait_for_groups)
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)

@@ -1,15 +1,49 @@
 """The safety net of distributed_live_recovery.py: SafetyNet, and what a replica group hands one that heals from
-it (torchft's state_dict and load_state_dict), with the epoch the loop then starts at and a note at the end of each
-progress line. The other scripts heal nothing and import none of it."""
+it (torchft's state_dict and load_state_dict), with the epoch the loop then starts at, a note at the end of each
+progress line, and the wait of a group continuing from its checkpoint for the groups of its last step. The other
+scripts heal nothing and import none of it."""
 import copy
+import threading
 
 from safety_net import SafetyNet
 from safety_net import checkpoint as checkpoints
+from utils import live_recovery
 from utils.errors import UsageError
+
+
+class ManagerState:
+    """torchft's Manager as a part of the checkpoint: its counts of committed steps and batches (by which the quorum
+    tells which group is behind), and how many replica groups took part in its last quorum."""
+
+    def __init__(self, manager):
+        self.manager, self.groups = manager, 1
+
+    def state_dict(self) -> dict:
+        if threading.current_thread() is threading.main_thread():  # a checkpoint's save: the quorum is formed
+            self.groups = max(1, self.manager.num_participants())  # (torchft's thread asks within a quorum: wait)
+        return {**self.manager.state_dict(), "groups": self.groups}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.groups = state.get("groups", 1)  # a checkpoint from before it was recorded: no wait
+        self.manager.load_state_dict({key: value for key, value in state.items() if key != "groups"})
 
 
 class HealingSafetyNet(SafetyNet):
     """SafetyNet, and a live replica group's state to hand over or take (torchft's Manager calls both)."""
+
+    def resume(self, *, manager, **parts) -> int:
+        """SafetyNet.resume, with the manager's state in the checkpoint (ManagerState)."""
+        self.manager_state = ManagerState(manager)
+        return super().resume(manager=self.manager_state, **parts)
+
+    def wait_for_the_groups_of_the_last_step(self, lighthouse: str, wait_s: float) -> None:
+        """Every rank, after resume() and before the first quorum (no collective): a group continuing from its
+        checkpoint waits, up to wait_s, until as many replica groups beat on the lighthouse as took part in the
+        checkpoint's last quorum. Trained on alone, it could reach the step another group's checkpoint holds, on
+        other weights, and torchft heals only a group whose step is behind: the two would never agree again."""
+        if self.manager_state.groups > 1 and wait_s > 0 and self.start_at[0] < self.options.epochs:
+            live_recovery.wait_for_replica_groups(lighthouse, self.manager_state.groups, wait_s,
+                                                  is_main=self.env.is_main, stop=self.stop_received_here)
 
     def state_for_a_peer(self) -> dict:
         """What a live replica group hands one that heals from it (distributed_live_recovery.py): every part given

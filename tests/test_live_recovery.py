@@ -79,11 +79,12 @@ def test_a_killed_group_heals_from_the_live_one_and_all_end_on_the_same_weights(
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_stop_signal_to_every_group_leaves_checkpoints_the_same_commands_continue(tmp_path):
-    """SIGTERM to both groups' torchrun once both train in one quorum: each writes its checkpoint and exits 143; the
-    same two commands continue (a group behind the other heals from it) and end on the same weights. The signals
-    may land at different steps, one group stopping a step before the other: the lighthouse then lets the other
-    finish its step alone (min_replicas 1; with 2 it would wait for a quorum that cannot form, and its stop give up
-    after 25 s without a checkpoint, as seen under load)."""
+    """SIGTERM to group 0's torchrun once both train in one quorum, then to group 1's once it has trained a step
+    alone: each writes its checkpoint and exits, group 1's a step ahead. The same commands again, group 0's first:
+    its last step had 2 groups, so it waits for another rather than train alone (alone, it could reach group 1's step
+    on other weights, which torchft never heals: CI failed so twice when the groups started together);
+    then it heals from group 1 at group 1's step, and both end on the same weights. The lighthouse has min_replicas 1,
+    so that group 1 can finish its steps alone once group 0 has stopped."""
     with own_lighthouse.on_a_free_port(min_replicas=1, heartbeat_timeout_ms=2000, wait_s=30) as lighthouse:
         stop_both_groups_then_continue(lighthouse, tmp_path)
 
@@ -97,17 +98,28 @@ def stop_both_groups_then_continue(lighthouse: str, tmp_path) -> None:
     runs = [Run(command, env=env) for command in commands]
     for started in runs:  # both in the quorum: a group that started late has healed from the other
         started.wait_for("2 of 2 replica groups")
-    for started in runs:
-        started.proc.send_signal(15)
+    runs[0].proc.send_signal(15)
+    runs[1].wait_for("1 of 2 replica groups")  # a step of its own, once group 0's heartbeats are overdue
+    runs[1].proc.send_signal(15)
     for g, started in enumerate(runs):
         status, _ = started.finish(timeout=60)
         assert status == 1 and "stopped by SIGTERM" in started.text, f"group {g}: exit {status}\n{started.output}"
-    continued = [subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                  text=True) for command in commands]
-    said = [process.communicate(timeout=200)[0] for process in continued]
-    for g, (process, text) in enumerate(zip(continued, said, strict=True)):
-        assert process.returncode == 0, f"group {g}: exit {process.returncode}\n{text[-3000:]}"
-        assert f"resuming from {out}/replica_group_{g}/checkpoint.pt: epoch " in text, text
+    behind, ahead = final_weights(out, 2)
+    assert (behind["epoch"], behind["step"]) < (ahead["epoch"], ahead["step"]), (behind["step"], ahead["step"])
+    assert behind["manager"]["groups"] == 2 and ahead["manager"]["groups"] == 1, (behind["manager"], ahead["manager"])
+    first = Run(commands[0], env=env)
+    first.wait_for("waiting for 1 more replica group(s) before the first step")
+    time.sleep(3)  # long enough for a few steps alone, had it not waited
+    then = Run(commands[1], env=env)
+    for g, continued in enumerate((first, then)):
+        status, _ = continued.finish(timeout=200)
+        assert status == 0, f"group {g}: exit {status}\n{continued.output}"
+        assert f"resuming from {out}/replica_group_{g}/checkpoint.pt: epoch " in continued.text, continued.output
+    before_group_1 = first.text[:first.text.index("healed from")]
+    assert not re.search(r"step \d+/20 loss", before_group_1), first.output
+    assert (f"healed from a live replica group: its weights, optimizer and schedule at epoch {ahead['epoch'] + 1}, "
+            f"step {ahead['step']}") in first.text, first.output
+    assert "healed" not in then.text, then.output
     assert_same_weights(final_weights(out, 2))
 
 
@@ -136,6 +148,7 @@ def test_bad_flags_are_one_line(capsys, tmp_path):
     cases = {("--replica-group", "2", "--replica-groups", "2"): "--replica-group 2 is not below --replica-groups 2",
              ("--min-replica-groups", "3"): "--min-replica-groups 3 is more than --replica-groups 2",
              ("--lighthouse", "localhost:29510"): "is not an address like http://host:29510",
+             ("--wait-for-groups", "-1"): "--wait-for-groups: must be a finite number, 0 or more, got -1",
              # DDP's technique flags are not offered: the gradients leave through the script's hook, and every group
              # keeps DDP's buckets as built
              ("--comm-hook", "fp16"): "unrecognized arguments: --comm-hook fp16",
@@ -202,6 +215,38 @@ def test_a_replica_group_id_in_use_is_one_line(lighthouse, capsys, tmp_path, mon
         live_recovery.check_lighthouse(distributed_live_recovery.parse_args(["--lighthouse", lighthouse]))
     finally:
         beating.clear()
+
+
+def test_a_resumed_group_waits_for_fresh_heartbeats_only_and_not_past_its_limit(lighthouse, capsys):
+    """wait_for_replica_groups, the wait of a group continuing from its checkpoint: group 1 beating counts (with this
+    group, 2 of 2: no wait); once it stops, its heartbeat counts no more after HEARTBEAT_FRESH_S, long before the
+    lighthouse marks it old (2 s here, 5 s by default), so a group that stopped a moment ago is not taken for one that
+    came back; waiting for a group that does not come ends at --wait-for-groups, in two lines; a stop ends it at
+    once."""
+    from torchft._torchft import LighthouseClient
+
+    client = LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=5))
+    for _ in range(5):
+        client.heartbeat("1:4b1d")
+        time.sleep(0.1)
+    assert live_recovery.live_replica_groups(lighthouse, seen_within_s=live_recovery.HEARTBEAT_FRESH_S) == {1}
+    client.heartbeat("0:4b1e")  # this group, once
+    assert live_recovery.live_replica_groups(lighthouse, seen_within_s=live_recovery.HEARTBEAT_FRESH_S) == {0, 1}
+    started = time.monotonic()
+    live_recovery.wait_for_replica_groups(lighthouse, 2, 30.0, is_main=True, stop=lambda: False)
+    assert time.monotonic() - started < 1 and capsys.readouterr().out == ""
+    time.sleep(live_recovery.HEARTBEAT_FRESH_S + 0.2)
+    assert live_recovery.live_replica_groups(lighthouse, seen_within_s=live_recovery.HEARTBEAT_FRESH_S) == set()
+    started = time.monotonic()
+    live_recovery.wait_for_replica_groups(lighthouse, 2, 1.0, is_main=True, stop=lambda: False)
+    assert 1 <= time.monotonic() - started < 5
+    said = capsys.readouterr().out.splitlines()
+    assert said[0].startswith("waiting for 2 more replica group(s) before the first step (0 s of --wait-for-groups "
+                              "1): the checkpoint's last step had 2"), said
+    assert said[1:] == ["training without the 2 missing replica group(s) after --wait-for-groups 1 s"], said
+    started = time.monotonic()
+    live_recovery.wait_for_replica_groups(lighthouse, 2, 30.0, is_main=True, stop=lambda: True)
+    assert time.monotonic() - started < 1
 
 
 def test_a_group_with_other_flags_is_refused_when_it_would_heal(tmp_path):

@@ -18,10 +18,12 @@ import warnings
 import torch.distributed as dist
 
 from utils.errors import UsageError
-from utils.flags import non_negative_int, positive_int
+from utils.flags import non_negative_float, non_negative_int, positive_int
 
 LIGHTHOUSE_PORT = 29510  # torchft_lighthouse's default --bind port
 HEARTBEATS_OVERDUE_S = 10.0  # how long a killed group's id may still look alive on the lighthouse
+HEARTBEAT_FRESH_S = 1.0  # a live manager beats every 0.1 s; a group that stopped a moment ago is not marked old yet
+WAIT_LINE_EVERY_S = 30.0  # how often a group waiting for the others says so
 
 
 def add_flags(parser) -> None:
@@ -42,6 +44,10 @@ def add_flags(parser) -> None:
                        help="a step updates the weights only while at least N groups take part in it (fewer: "
                             "its batches are skipped); to have the live groups wait instead, start the lighthouse "
                             "with --min_replicas N")
+    group.add_argument("--wait-for-groups", type=non_negative_float, default=300.0, metavar="S",
+                       help="a group continuing from its checkpoint first waits up to S seconds for as many groups "
+                            "as took part in its last step: trained on alone, it could reach the step another's "
+                            "checkpoint holds, on other weights, and torchft heals only a group behind; 0: no wait")
     parser.checks.append(_why_not)
 
 
@@ -75,9 +81,10 @@ def check_lighthouse(args) -> None:
         time.sleep(0.5)
 
 
-def live_replica_groups(lighthouse: str) -> set[int]:
+def live_replica_groups(lighthouse: str, seen_within_s: float | None = None) -> set[int]:
     """The replica groups whose heartbeats the lighthouse has now, read from its status page (torchft's
-    dashboard: replica ids "<group>:<uuid>", an overdue one marked old). No lighthouse there is a UsageError."""
+    dashboard: replica ids "<group>:<uuid>", an overdue one marked old); seen_within_s: only those heard from
+    that recently. No lighthouse there is a UsageError."""
     url = lighthouse.rstrip("/") + "/status"
     try:
         with urllib.request.urlopen(url, timeout=5) as response:
@@ -86,7 +93,33 @@ def live_replica_groups(lighthouse: str) -> set[int]:
         reason = getattr(error, "reason", error)
         raise UsageError(f"no lighthouse answers at {lighthouse} ({reason}); start one first: torchft_lighthouse "
                          f"--min_replicas 1 --bind [::]:{LIGHTHOUSE_PORT}") from None
-    return {int(group) for old, group in re.findall(r'class="heartbeat\s+(old\s+)?">\s*(\d+):', page) if not old}
+    beats = re.findall(r'class="heartbeat\s+(old\s+)?">\s*(\d+):\S*: seen ([\d.]+)(ns|µs|us|ms|s) ago', page)
+    return {int(group) for old, group, age, unit in beats
+            if not old and (seen_within_s is None or float(age) * _SECONDS[unit] <= seen_within_s)}
+
+
+_SECONDS = {"ns": 1e-9, "µs": 1e-6, "us": 1e-6, "ms": 1e-3, "s": 1.0}  # the lighthouse writes Rust's Duration
+
+
+def wait_for_replica_groups(lighthouse: str, groups: int, wait_s: float, *, is_main: bool, stop) -> None:
+    """Every rank of a group continuing from its checkpoint, before its first quorum (HTTP, no collective): until
+    `groups` replica groups, this one included, beat on the lighthouse, at most wait_s seconds (--wait-for-groups);
+    rank 0 says so every WAIT_LINE_EVERY_S. stop(): a stop signal came (the first step then stops the run)."""
+    started = time.monotonic()
+    said = None
+    while len(live := live_replica_groups(lighthouse, seen_within_s=HEARTBEAT_FRESH_S)) < groups and not stop():
+        waited = time.monotonic() - started
+        if waited >= wait_s:
+            if is_main:
+                print(f"training without the {groups - len(live)} missing replica group(s) after --wait-for-groups "
+                      f"{wait_s:g} s", flush=True)
+            return
+        if is_main and (said is None or waited - said >= WAIT_LINE_EVERY_S):
+            print(f"waiting for {groups - len(live)} more replica group(s) before the first step ({waited:.0f} s of "
+                  f"--wait-for-groups {wait_s:g}): the checkpoint's last step had {groups}, and one that trained on "
+                  f"alone could reach the step another's checkpoint holds, on other weights", flush=True)
+            said = waited
+        time.sleep(0.5)
 
 
 def import_torchft_with_quiet_logs():
