@@ -109,8 +109,7 @@ def stop_both_groups_then_continue(lighthouse: str, tmp_path) -> None:
     assert behind["manager"]["groups"] == 2 and ahead["manager"]["groups"] == 1, (behind["manager"], ahead["manager"])
     first = Run(commands[0], env=env)
     first.wait_for("waiting for 1 more replica group(s) before the first step")
-    time.sleep(3)  # long enough for a few steps alone, had it not waited
-    then = Run(commands[1], env=env)
+    then = Run(commands[1], env=env)  # seconds before its manager beats: steps enough for group 0, had it not waited
     for g, continued in enumerate((first, then)):
         status, _ = continued.finish(timeout=200)
         assert status == 0, f"group {g}: exit {status}\n{continued.output}"
