@@ -15,7 +15,6 @@ Writes <output-dir>/bubble.md and bubble.json, and each run's folder (its traces
 import json
 import os
 import shutil
-import signal
 import statistics
 import sys
 from pathlib import Path
@@ -100,27 +99,22 @@ def main(argv=None) -> int:
                 "command": " ".join(["python -m benchmarks.bubble", *(sys.argv[1:] if argv is None else argv)])}
         plan = [(schedule, m) for schedule in schedules for m in counts]
         rows = []
-        # kill -TERM, a closed terminal: stopped as Ctrl-C stops it (run_stoppable stops the measurement's launcher)
-        previous = {signum: signal.signal(signum, benchmark.stop_as_ctrl_c) for signum in (signal.SIGTERM,
-                                                                                          signal.SIGHUP)}
         try:
-            for i, (schedule, m) in enumerate(plan, 1):
-                rows.append(measure(args.stages, schedule, m, args.batch_size, args.device,
-                                    args.output_dir / "runs" / f"{schedule}-{m}"))
-                write(rows, meta, args.output_dir)  # the rows so far: a run stopped keeps what it measured
-                r = rows[-1]
-                print(f"[{i}/{len(plan)}] {schedule}, M={m}: idle {', '.join(f'{s:.0%}' for s in r['idle'])} "
-                      f"(theory {r['theory']:.0%}), step {r['step_ms']:.0f} ms", flush=True)
+            # kill -TERM, a closed terminal: stopped as Ctrl-C (run_stoppable stops the measurement's launcher)
+            with benchmark.stopped_as_ctrl_c():
+                for i, (schedule, m) in enumerate(plan, 1):
+                    rows.append(measure(args.stages, schedule, m, args.batch_size, args.device,
+                                        args.output_dir / "runs" / f"{schedule}-{m}"))
+                    write(rows, meta, args.output_dir)  # the rows so far: a run stopped keeps what it measured
+                    r = rows[-1]
+                    print(f"[{i}/{len(plan)}] {schedule}, M={m}: idle {', '.join(f'{s:.0%}' for s in r['idle'])} "
+                          f"(theory {r['theory']:.0%}), step {r['step_ms']:.0f} ms", flush=True)
         except KeyboardInterrupt as stop:
-            signum = stop.args[0] if stop.args else signal.SIGINT
-            how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+            signum, how = benchmark.which_stop(stop)
             print(f"stopped by {how} after {len(rows)} of {len(plan)} measurements" +
                   (f": {args.output_dir / 'bubble.md'} has them" if rows else ": nothing written"),
                   file=sys.stderr, flush=True)
             return 128 + signum
-        finally:
-            for signum, handler in previous.items():
-                signal.signal(signum, handler)
         print(markdown(rows, meta), end="")
     return 0
 

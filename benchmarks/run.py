@@ -34,6 +34,7 @@ Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and b
 after every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP: the row being measured is stopped too) or killed
 keeps the rows it measured, marked unfinished.
 """
+import contextlib
 import importlib.util
 import json
 import os
@@ -565,6 +566,24 @@ def stop_as_ctrl_c(signum: int, _frame) -> None:
     raise KeyboardInterrupt(signum)
 
 
+@contextlib.contextmanager
+def stopped_as_ctrl_c():
+    """kill -TERM or a closed terminal (SIGHUP) stop the benchmark within as Ctrl-C does (stop_as_ctrl_c); the
+    handlers in place before come back at the end."""
+    previous = {signum: signal.signal(signum, stop_as_ctrl_c) for signum in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def which_stop(stop: KeyboardInterrupt) -> tuple[int, str]:
+    """The signal behind a KeyboardInterrupt of stopped_as_ctrl_c (Ctrl-C's SIGINT if none), and its name."""
+    signum = stop.args[0] if stop.args else signal.SIGINT
+    return signum, "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+
+
 def write_tables(results: dict, out: Path) -> None:
     """benchmark.json and benchmark.md, each replaced whole (written beside, then renamed over)."""
     for name, text in (("benchmark.json", json.dumps(results, indent=1)), ("benchmark.md", markdown(results))):
@@ -683,40 +702,36 @@ def main(argv=None):
         bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
 
     results = {"meta": meta, "rows": []}
-    # kill -TERM, a closed terminal: stopped as Ctrl-C stops it (the handlers in place before, back at the end)
-    previous = {signum: signal.signal(signum, stop_as_ctrl_c) for signum in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        for amp in dtypes:
-            bar.set_description(f"ideal and peak, {amp or 'float32'}")
-            meta["ideal"][amp or "float32"] = ideal(args, amp)
-            meta["peak_tflops"][amp or "float32"] = device_peak(args, amp or "float32")
-            done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
-                 f"peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
-        for row in selected:
-            bar.set_description(row.name)
-            measured = run_row(row, args)
-            results["rows"].append({"name": row.name, "script": row.script, "start": row.start, "flags": row.flags,
-                                    "table": row.table, "amp": row.amp, **measured})
-            # the tables so far after every row: a run stopped or killed keeps the rows it measured
-            meta["unfinished"] = (f"{len(results['rows'])} of {len(selected)} rows measured when this was written; "
-                                  "the run did not finish, and the float32 ideal was measured before the rows only.")
-            write_tables(results, out)
-            done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
-                                    if "images_per_s" in measured else f"failed: {measured['error']}"))
-        # the float32 ideal again at the end, so that the machine's drift during the run shows
-        bar.set_description("ideal float32, again")
-        again = ideal(args, None)["images_per_s"]
+        with stopped_as_ctrl_c():  # kill -TERM, a closed terminal: stopped as Ctrl-C stops it
+            for amp in dtypes:
+                bar.set_description(f"ideal and peak, {amp or 'float32'}")
+                meta["ideal"][amp or "float32"] = ideal(args, amp)
+                meta["peak_tflops"][amp or "float32"] = device_peak(args, amp or "float32")
+                done(f"ideal {amp or 'float32'}: {meta['ideal'][amp or 'float32']['images_per_s']:.1f} images/s; "
+                     f"peak {meta['peak_tflops'][amp or 'float32']:.2f} TFLOP/s")
+            for row in selected:
+                bar.set_description(row.name)
+                measured = run_row(row, args)
+                results["rows"].append({"name": row.name, "script": row.script, "start": row.start, "flags": row.flags,
+                                        "table": row.table, "amp": row.amp, **measured})
+                # the tables so far after every row: a run stopped or killed keeps the rows it measured
+                meta["unfinished"] = (f"{len(results['rows'])} of {len(selected)} rows measured when this was "
+                                      "written; the run did not finish, and the float32 ideal was measured before "
+                                      "the rows only.")
+                write_tables(results, out)
+                done(f"{row.name}: " + (f"{measured['images_per_s']:.1f} images/s ({measured['wall_s']:.0f} s)"
+                                        if "images_per_s" in measured else f"failed: {measured['error']}"))
+            # the float32 ideal again at the end, so that the machine's drift during the run shows
+            bar.set_description("ideal float32, again")
+            again = ideal(args, None)["images_per_s"]
     except KeyboardInterrupt as stop:  # the rows measured so far are in the files, said to be unfinished
         bar.close()  # (the row being measured was stopped by run_stoppable)
-        signum = stop.args[0] if stop.args else signal.SIGINT
-        how = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
+        signum, how = which_stop(stop)
         print(f"stopped by {how} after {len(results['rows'])} of {len(selected)} rows: "
               f"{out / 'benchmark.md'} has the rows measured" if results["rows"] else
               f"stopped by {how} before any row was measured: nothing written", file=sys.stderr, flush=True)
         sys.exit(128 + signum)
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
     done(f"ideal float32 again: {again:.1f} images/s")
     bar.close()
     meta.pop("unfinished", None)
