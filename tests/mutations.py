@@ -46,6 +46,8 @@ MUTATIONS = [
     ("distributed_live_recovery.py", "sampler=range(env.rank, len(test_set), env.world_size)",
      "sampler=torch.utils.data.DistributedSampler(test_set, env.world_size, env.rank, shuffle=False)",
      "live recovery's test shards padded: some test images counted twice"),
+    ("utils/live_recovery.py", "float(age) * _SECONDS[unit] <= seen_within_s)}", "True)}",
+     "a group that stopped a moment ago counted as back: a resumed group stops waiting and may train alone"),
     ("distributed.py", "    train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True",
      "    train_loader = DataLoader(train_set, batch_size=batch, shuffle=False, drop_last=True",
      "no DistributedSampler: every rank trains on the same images"),
