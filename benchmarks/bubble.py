@@ -22,7 +22,7 @@ from types import SimpleNamespace
 
 from benchmarks import run as benchmark
 from benchmarks import timeline
-from benchmarks.gpu_check import git_commit
+from benchmarks.commit import git_commit
 from utils import flags, pipelining
 from utils.errors import UsageError, exit_on_error
 

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks.commit import git_commit
 from examples.local_processes import alive, descendants, session_members
 from utils import flags
 
@@ -136,7 +137,7 @@ def job(name: str, extra: list[str], limit_s: int, what: str) -> Step:
 
 def benchmark_groups() -> dict[str, list[str]]:
     """The benchmark's rows (whole names), by step: the first rows, the rest but the float16 ones, the float16 ones."""
-    from benchmarks import run as bench  # here: benchmarks.run imports this module
+    from benchmarks import run as bench  # here: it imports torch, which the check's own process needs late
     every = bench.rows("cuda")
     float16 = [r.name for r in every if r.amp == "float16"]
     ordered = [r.name for r in bench.rows_named(FIRST_OF_THE_REST, "cuda")]
@@ -466,19 +467,6 @@ def write_report(report: dict, out: Path) -> None:
     if report.get("unfinished"):
         lines += ["", f"**Unfinished**: {report['unfinished']}"]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-
-
-def git_commit() -> str:
-    """The commit checked out here, with "+changes" when the tree differs from it; "unknown" without git (a copy
-    of the tree without .git: give --commit)."""
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
-                              timeout=10, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT, capture_output=True,
-                               text=True, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return head + ("+changes" if dirty else "")
 
 
 def process_age() -> float:

@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from benchmarks.bare_step import flops_per_image
-from benchmarks.gpu_check import git_commit
+from benchmarks.commit import git_commit
 from examples import own_lighthouse
 from utils import flags, precision
 
