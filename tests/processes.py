@@ -2,7 +2,9 @@
 import os
 import signal
 import subprocess
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from script_runs import ROOT, subprocess_env
@@ -68,3 +70,42 @@ class Run:
     def output(self) -> str:
         """The last 6000 characters printed: what a failing assertion shows."""
         return self.text[-6000:]
+
+
+@dataclass
+class Clocked:
+    """A command run to its end with its stderr lines stamped as they arrived: the seconds from a line to the exit
+    are what a test about an error's aftermath bounds, whatever Python, torch and the launcher took to start."""
+    result: subprocess.CompletedProcess
+    stderr_lines: list[tuple[float, str]]  # (time.monotonic() when the line arrived, the line)
+    ended: float  # time.monotonic() when the command had exited
+
+    def seconds_after(self, text: str) -> float:
+        """From the first stderr line holding `text` to the command's exit; the test fails if no line holds it."""
+        for arrived, line in self.stderr_lines:
+            if text in line:
+                return self.ended - arrived
+        raise AssertionError(f"no {text!r} on stderr:\n{self.result.stderr[-3000:]}")
+
+
+def run_clocked(cmd: list[str], timeout: float = 120) -> Clocked:
+    """`cmd` as script_runs.run runs it (stdout and stderr apart), every stderr line stamped on arrival; a command
+    still running after `timeout` is killed with its whole session and fails the test."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=subprocess_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    stdout, stderr_lines = [], []
+    readers = [threading.Thread(target=lambda: stdout.append(proc.stdout.read()), daemon=True),
+               threading.Thread(target=lambda: stderr_lines.extend((time.monotonic(), line) for line in proc.stderr),
+                                daemon=True)]
+    for reader in readers:
+        reader.start()
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+    ended = time.monotonic()
+    for reader in readers:
+        reader.join(10)
+    stderr = "".join(line for _, line in stderr_lines)
+    return Clocked(subprocess.CompletedProcess(cmd, proc.returncode, "".join(stdout), stderr), stderr_lines, ended)

@@ -215,7 +215,9 @@ def test_a_second_ctrl_c_leaves_at_once_with_the_last_checkpoint_and_no_process(
     status, seconds = started.finish(timeout=30)  # every process gone, or the test fails naming them
     print(f"\na second Ctrl-C: {seconds:.1f} s to the last process gone")
     lines = [line for line in started.text.splitlines() if "second SIGINT" in line]
-    assert status == 130 and seconds < 5 and len(lines) == 1, started.output
+    # at once: no new checkpoint (step 1's kept) and no stop line, where finishing step 2 would have saved it; no
+    # bound in seconds: leaving at once and finishing the 6 s step both take a few seconds on a busy machine
+    assert status == 130 and len(lines) == 1, started.output
     assert lines[0].endswith(f"left at once without a new checkpoint; the last one, {out / 'checkpoint.pt'}, is kept")
     assert "stopped by SIGINT at" not in started.text and "Traceback" not in started.text, started.output
     assert load_checkpoint(out)["step"] == 1 and not list(out.glob("*.tmp"))
@@ -241,7 +243,9 @@ def test_steps_too_slow_for_torchruns_sigkill_are_told_at_the_start_and_a_sigter
     errors = [line for line in text.splitlines() if line.startswith("distributed.py: error:")]
     assert len(errors) == 1 and "did not save its step within 2 s, and torchrun sends SIGKILL 4 s after the " \
         "signal" in errors[0], started.output
-    assert status != 0 and seconds < 4 and "forcefully exiting" not in text, started.output  # no SIGKILL came
+    # no SIGKILL came: torchrun logs "forcefully exiting" when its --shutdown-timeout passes with a worker alive (no
+    # bound in seconds: torchrun's own exit, after its workers', is not what the 4 s limit counts)
+    assert status != 0 and "forcefully exiting" not in text, started.output
     assert not (out / "checkpoint.pt").exists()
 
 
@@ -263,7 +267,9 @@ def test_a_stop_ends_a_run_whose_rank_hangs_and_says_so(tmp_path):
     assert len(errors) == 1 and re.search(r"the run is stuck: nothing finished within \d+ s after SIGINT \(a step "
                                           r"takes about [\d.]+ s; a rank hangs\)", errors[0]), started.output
     assert errors[0].endswith(f"exiting without a new checkpoint, the last one, {out / 'checkpoint.pt'}, is kept")
-    assert status != 0 and seconds < 10 and "stopped by SIGINT at" not in started.text, started.output
+    # from the signal: the copy's floor (2 s) and the exits, below the floor it replaces (FLOOR_S, 25 s), which a
+    # stuck check that ignored the floor, or no stuck check (a hang until finish's 60 s), would pass
+    assert status != 0 and seconds < stopping.FLOOR_S and "stopped by SIGINT at" not in started.text, started.output
     assert load_checkpoint(out)["step"] == 2
 
 
@@ -409,6 +415,7 @@ def test_a_signal_while_starting_exits_at_once(tmp_path):
         time.sleep(0.2)
     time.sleep(2)  # in the rendezvous by now (its timeout is 300 s)
     os.kill(started.proc.pid, signal.SIGTERM)
-    status, seconds = started.finish(timeout=20)
-    assert status == 128 + signal.SIGTERM and seconds < 5, started.output
+    status, seconds = started.finish(timeout=40)
+    # from the signal; the rendezvous it stops would wait 300 s for the other machine (its timeout): a tenth of it
+    assert status == 128 + signal.SIGTERM and seconds < 30, started.output
     assert "stopped by SIGTERM while starting" in started.text
