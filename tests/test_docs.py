@@ -1,13 +1,15 @@
-"""The pages say what this tree does: every command of README.md parses with its own program's parser (a CPU training
-command with the script's parse_args, every check included; a GPU one with its flags alone, the device checks needing
-a GPU), every relative link of README.md, docs/*.md and benchmarks/results/ reaches a file and, for a page, a heading,
-and the sentences an audit found stronger than the files stay as the files have them. Nothing is launched: a few
-seconds, most of them importing the scripts."""
+"""The pages say what this tree does: every command of README.md and docs/*.md parses with its own program's parser (a
+CPU training command with the script's parse_args, every check included; a GPU one with its flags alone, the device
+checks needing a GPU; a failure program or benchmark stopped at its parser), every relative link of README.md,
+docs/*.md and benchmarks/results/ reaches a file and, for a page, a heading, and the sentences an audit found stronger
+than the files stay as the files have them. Nothing is launched: a few seconds, most of them importing the scripts."""
 import argparse
 import importlib
 import importlib.util
 import re
+import runpy
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
@@ -25,32 +27,50 @@ def read(path: Path) -> str:
     return path.read_text()
 
 
+def without_code_blocks(text: str) -> str:
+    return re.sub(r"^ *```.*?^ *```[^\n]*$", "", text, flags=re.S | re.M)
+
+
 def without_code(text: str) -> str:
     """The page with its fenced blocks and inline code removed: what is prose, headings and links."""
-    text = re.sub(r"^```.*?^```[^\n]*$", "", text, flags=re.S | re.M)
-    return re.sub(r"`[^`\n]*`", "", text)
+    return re.sub(r"`[^`\n]*`", "", without_code_blocks(text))
 
 
 def fenced_blocks(text: str) -> list[str]:
-    return re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    """The page's fenced code blocks, those indented in a list item too."""
+    return re.findall(r"^ *```[^\n]*\n(.*?)^ *```", text, flags=re.S | re.M)
 
 
 STARTS_A_COMMAND = re.compile(r"([A-Z_][A-Z0-9_]*=\S* )*(python3? |torchrun |pip |diff |\. )")
+ASSIGNMENT = re.compile(r"([A-Z_][A-Z0-9_]*)=(\"[^\"]*\"|'[^']*'|\S+)")  # COMMON="--device cpu ...", alone on a line
 
 
 def commands(text: str) -> list[str]:
-    """Every command of the page: each line of its code blocks of commands (a block of which some line starts as a
-    command does: a file tree is not one; a trailing backslash joins the next line; comments dropped; `a && b` is two
-    commands), and each inline span that starts as a command does."""
+    """Every command of the page that runs one of this repository's programs (python, torchrun, pip, diff, `. `,
+    after the environment it sets). In its code blocks: each line that starts as such a command does, after a
+    transcript's `$ ` prompt (the other lines are the programs' output, comments, file trees, or other programs'
+    commands: cd, sleep, torchft_lighthouse); a trailing backslash joins the next line, comments are dropped,
+    `a && b`, `a | b` and `a & b` are two commands and `$(a)` one of its own, and a block's `NAME="..."` line is
+    expanded as `$NAME` in its later lines, as the shell does. And each inline span (one that wraps over a line too)
+    that starts as such a command does."""
     found = []
     for block in fenced_blocks(text):
-        lines = [re.split(r"\s#\s|\s#$", line)[0].strip() for line in block.replace("\\\n", " ").splitlines()]
-        lines = [line for line in lines if line and not line.startswith("#")]
-        if any(STARTS_A_COMMAND.match(line) for line in lines):
-            found += [part.strip() for line in lines for part in line.split("&&")]
-    for span in re.findall(r"`([^`\n]+)`", re.sub(r"^```.*?^```", "", text, flags=re.S | re.M)):
-        if STARTS_A_COMMAND.match(span):
-            found.append(span)
+        variables = {}
+        for line in block.replace("\\\n", " ").splitlines():
+            line = re.split(r"\s#\s|\s#$", line)[0].strip().removeprefix("$ ")
+            if assignment := ASSIGNMENT.fullmatch(line):
+                variables[assignment[1]] = shlex.split(assignment[2])[0]
+                continue
+            for name, value in variables.items():
+                line = line.replace(f"${name}", value)
+            substituted = re.findall(r"\$\(([^()]*)\)", line)
+            parts = re.split(r"&&|\||&", re.sub(r"\$\([^()]*\)", "SUBSTITUTED", line)) + substituted
+            found += [part.strip() for part in parts if STARTS_A_COMMAND.match(part.strip())]
+    for paragraph in re.split(r"\n\s*\n", without_code_blocks(text)):
+        for span in re.findall(r"`([^`]+)`", paragraph):
+            span = " ".join(span.split())
+            if STARTS_A_COMMAND.match(span):
+                found.append(span)
     return found
 
 
@@ -63,12 +83,17 @@ def words_after_environment(command: str) -> list[str]:
 
 def program_and_argv(command: str):
     """(kind, what, argv): ("script", "distributed.py", flags) for a training script however it starts (python,
-    torchrun with its own options checked by torchrun's parser), ("module", "benchmarks.run", flags) for python -m,
-    ("file", "examples/x.py", flags) for another python file, or ("other", first word, the rest)."""
+    torchrun with its own options checked by torchrun's parser), ("torchrun", "torchrun", options) for torchrun's
+    options named alone, ("module", "benchmarks.run", flags) for python -m, ("file", "examples/x.py", flags) for
+    another python file, or ("other", first word, the rest)."""
+    if inline := re.match(r"([A-Z_][A-Z0-9_]*=\S* )*python3? (-c|-)( |$)", command):  # a program on the page
+        return "file", inline[2], []
     words = words_after_environment(command)
     if words[0] == "torchrun":
         from torch.distributed.run import get_args_parser
-        (at,) = [i for i, w in enumerate(words) if w.endswith(".py")][:1]
+        at = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
+        if at is None:  # `torchrun --max-restarts` in a sentence: the options alone
+            return "torchrun", "torchrun", words[1:]
         get_args_parser().parse_args(words[1:at + 1])  # torchrun's own options, as torchrun reads them
         return "script", words[at], words[at + 1:]
     if words[0] in ("python", "python3"):
@@ -78,21 +103,49 @@ def program_and_argv(command: str):
     return "other", words[0], words[1:]
 
 
+# Programs a page starts that are no file of this tree, each with the reason it is not parsed.
+NOT_IN_THIS_TREE = {
+    "-": "debugging.md's measurement: the page's own snippet (cost.py), read by python from stdin",
+    "-c": "template.md's mean and std: a program written out on the page, given to python -c",
+    "<script>": "a placeholder for any of the scripts, each of which the pages also name and start on its own",
+    "train.py": "template.md's name for the reader's own copy of a script",
+}
+
+
 class Parsed(Exception):
-    """Raised by argparse's parse_args once it has parsed: the program's main stops there, having run nothing."""
+    """Raised by argparse's parse_args (or parse_known_args) once it has parsed: the program stops there, having run
+    nothing."""
 
 
 def parse_with_main(main, argv, monkeypatch) -> argparse.Namespace:
-    """main(argv) up to its parse_args: the flags are parsed by the program's own parser, and nothing runs."""
-    original = argparse.ArgumentParser.parse_args
+    """main(argv) up to its parse_args (or parse_known_args): the flags are parsed by the program's own parser, and
+    nothing runs."""
+    original, original_known = argparse.ArgumentParser.parse_args, argparse.ArgumentParser.parse_known_args
+    inside = []
 
     def parse_then_stop(parser, args=None, namespace=None):
+        inside.append(parser)  # its own parse_known_args runs whole: unrecognised words are then an error
         raise Parsed(original(parser, args, namespace))
 
-    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
-    with pytest.raises(Parsed) as parsed:
+    def parse_known_then_stop(parser, args=None, namespace=None):
+        if inside:
+            return original_known(parser, args, namespace)
+        raise Parsed(original_known(parser, args, namespace)[0])
+
+    with monkeypatch.context() as m, pytest.raises(Parsed) as parsed:
+        m.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        m.setattr(argparse.ArgumentParser, "parse_known_args", parse_known_then_stop)
         main(argv)
     return parsed.value.args[0]
+
+
+def run_file_to_its_parser(relative: str, argv: list[str], monkeypatch) -> None:
+    """`python relative argv...` as python runs it (as __main__, its own folder first on the path), stopped at its
+    parser: a file whose main takes no argv (failures/: main(rank, world_size, args), the flags parsed under
+    `if __name__ == "__main__"`)."""
+    monkeypatch.syspath_prepend(str((ROOT / relative).parent))
+    monkeypatch.setattr(sys, "argv", [relative, *argv])
+    parse_with_main(lambda argv: runpy.run_path(str(ROOT / relative), run_name="__main__"), argv, monkeypatch)
 
 
 def import_file(relative: str, monkeypatch):
@@ -125,46 +178,77 @@ def test_the_readme_is_a_front_page():
     assert not hashes and "at commit" not in read(README)
 
 
-def test_every_readme_command_parses(as_a_user_runs_it, monkeypatch):
-    """Each command of README.md as written: a training script's flags through that script's parse_args (every check,
-    on the CPU; on a GPU only argparse's part, since the rest asks for a visible GPU), the other programs' through
-    their own parser, the files and markers it names present."""
+def check_command(command: str, monkeypatch) -> str:
+    """One command as written: a training script's flags through that script's parse_args (every check, on the CPU;
+    on a GPU only argparse's part, since the rest asks for a visible GPU; --help prints and exits 0), the other
+    programs' through their own parser, the files, packages and markers it names present. Returns the program."""
     from utils import flags
-    checked = []
-    for command in commands(read(README)):
-        kind, what, argv = program_and_argv(command)
-        if kind == "script":
-            module = importlib.import_module(what.removesuffix(".py"))
-            if "--device" in argv and argv[argv.index("--device") + 1] == "cpu":
-                args = module.parse_args(argv)  # exits on a bad flag: pytest reports the SystemExit
-            else:
-                with monkeypatch.context() as m:  # argparse alone: the device checks need the GPU the command names
-                    m.setattr(flags, "parse", lambda parser, argv=None: parser.parse_args(flags._dashes(argv)))
-                    args = module.parse_args(argv)
-            assert isinstance(args, argparse.Namespace), command
-        elif kind == "module" and what == "pytest":
-            declared = set(re.findall(r'"(\w+): ', read(ROOT / "pyproject.toml").split("markers = ", 1)[1]))
-            if "-m" in argv:
-                named = set(re.findall(r"\w+", argv[argv.index("-m") + 1])) - {"not", "and", "or"}
-                assert named <= declared, (command, named - declared)
-        elif kind == "module" and what.startswith("benchmarks."):
-            parse_with_main(importlib.import_module(what).main, argv, monkeypatch)
-        elif kind == "module":
-            assert importlib.util.find_spec(what), command
-        elif kind == "file":
-            module = import_file(what, monkeypatch)
-            if hasattr(module, "parse_args"):
+    kind, what, argv = program_and_argv(command)
+    if what in NOT_IN_THIS_TREE:
+        return what
+    if kind == "script":
+        module = importlib.import_module(what.removesuffix(".py"))
+        if "--help" in argv:
+            with pytest.raises(SystemExit) as exited:
                 module.parse_args(argv)
-            else:
-                parse_with_main(module.main, argv, monkeypatch)
-        elif what == "diff":
-            assert all((ROOT / f).is_file() for f in argv), command
-        elif what == "pip":
-            assert (ROOT / argv[argv.index("-r") + 1]).is_file(), command
+            assert exited.value.code == 0, command
+        elif "--device" in argv and argv[argv.index("--device") + 1] == "cpu":
+            args = module.parse_args(argv)  # exits on a bad flag: pytest reports the SystemExit
+            assert isinstance(args, argparse.Namespace), command
         else:
-            assert what == "." and Path(argv[0]).parts[0] == ".venv", command  # . .venv/bin/activate
-        checked.append(what)
-    assert {"distributed_mp.py", "distributed.py", "distributed_apex.py", "benchmarks.run", "pytest"} <= set(checked)
+            with monkeypatch.context() as m:  # argparse alone: the device checks need the GPU the command names
+                m.setattr(flags, "parse", lambda parser, argv=None: parser.parse_args(flags._dashes(argv)))
+                args = module.parse_args(argv)
+            assert isinstance(args, argparse.Namespace), command
+    elif kind == "torchrun":  # its options named in a sentence: each one torchrun has
+        from torch.distributed.run import get_args_parser
+        known = {option for action in get_args_parser()._actions for option in action.option_strings}
+        assert argv and all(word.split("=")[0] in known for word in argv), command
+    elif kind == "module" and what == "pytest":
+        declared = set(re.findall(r'"(\w+): ', read(ROOT / "pyproject.toml").split("markers = ", 1)[1]))
+        if "-m" in argv:
+            named = set(re.findall(r"\w+", argv[argv.index("-m") + 1])) - {"not", "and", "or"}
+            assert named <= declared, (command, named - declared)
+        assert all((ROOT / word).exists() for word in argv if word.startswith("tests/")), command
+    elif kind == "module" and (ROOT / (what.replace(".", "/") + ".py")).is_file():  # benchmarks.run, safety_net...
+        parse_with_main(importlib.import_module(what).main, argv, monkeypatch)
+    elif kind == "module":  # venv, torch.distributed.launch
+        assert importlib.util.find_spec(what), command
+    elif kind == "file":
+        assert (ROOT / what).is_file(), command
+        module = import_file(what, monkeypatch)
+        if hasattr(module, "parse_args"):
+            module.parse_args(argv)
+        else:
+            run_file_to_its_parser(what, argv, monkeypatch)
+    elif what == "diff":
+        assert all((ROOT / f).is_file() for f in argv), command
+    elif what == "pip":
+        if "-r" in argv:
+            assert (ROOT / argv[argv.index("-r") + 1]).is_file(), command
+        else:  # a package by name: one the requirements list, or Lightning, the optional peer that benchmarks/ imports
+            listed = set(re.findall(r"^([\w-]+)", read(ROOT / "requirements-dev.txt") + read(ROOT / "requirements.txt"),
+                                    flags=re.M))
+            assert "import lightning" in read(ROOT / "benchmarks" / "peers" / "lightning_ddp.py")
+            assert argv[0] == "install" and set(argv[1:]) <= listed | {"lightning"}, command
+    else:
+        assert what == "." and Path(argv[0]).parts[0] == ".venv", command  # . .venv/bin/activate
+    return what
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[str(p.relative_to(ROOT)) for p in PAGES])
+def test_every_command_parses(page, as_a_user_runs_it, monkeypatch):
+    """Each command of README.md and of every docs/ page that runs one of this repository's programs, as
+    check_command checks it; those NOT_IN_THIS_TREE names are left out, each for the reason it gives."""
+    found = commands(read(page))
+    assert found, page.name
+    for command in found:
+        check_command(command, monkeypatch)
+
+
+def test_the_readme_starts_the_main_programs_and_runs_first_on_the_cpu():
+    started = {program_and_argv(c)[1] for c in commands(read(README))}
+    assert {"distributed_mp.py", "distributed.py", "distributed_apex.py", "benchmarks.run", "pytest"} <= started
     cpu_runs = [c for c in commands(read(README)) if "--device cpu" in c]
     assert cpu_runs, "the README's first run is on the CPU"
 
@@ -284,3 +368,9 @@ def test_a_results_folder_says_where_its_run_wrote():
             note = folder / "README.md"
             assert note.is_file() and place in read(note) and "edited after the run" in read(note), (folder.name, place)
 
+
+
+def test_the_results_index_lists_every_folder():
+    """benchmarks/results/README.md links every folder of results, and no folder that is not there."""
+    listed = set(re.findall(r"^\| \[([\w.-]+)\]\(\1/\) \|", read(RESULTS / "README.md"), flags=re.M))
+    assert listed == {p.name for p in RESULTS.iterdir() if p.is_dir()}, listed
