@@ -71,6 +71,8 @@ MUTATIONS = [
      "evaluation's counts not summed over the ranks: rank 0's shard reported as the test set"),
     ("utils/syncbn.py", "unbiased = var * (count / (count - 1).clamp_min(1))", "unbiased = var",
      "CpuSyncBatchNorm's running variance biased"),
+    ("distributed_gradient_accumulation.py", "bucket_cap_mb=args.bucket_cap_mb,", "bucket_cap_mb=None,",
+     "--bucket-cap-mb ignored: 3 gradient all-reduces an optimizer step, not 1"),
     ("utils/errors.py", 'and not (_ranks_met or (dist.is_available() and dist.is_initialized())):', ':',
      "an error after the ranks met: the ranks but local rank 0 still wait 30 s to exit"),
 ]

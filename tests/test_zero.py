@@ -84,9 +84,17 @@ def continued(rank, world_size, output_dir):
     return {"resumed_at": (epoch, step), "weights": weights(model), "state_bytes": optimizer_state_bytes(optimizer)}
 
 
+def momentum_held(model, optimizer) -> set[str]:
+    """The names of the parameters whose momentum_buffer this rank's own SGD holds (ZeroRedundancyOptimizer.optim: the
+    optimizer over its share, the state a rank keeps)."""
+    name_of = {id(p): name for name, p in model.module.named_parameters()}
+    return {name_of[id(p)] for p, state in optimizer.optim.state.items() if state.get("momentum_buffer") is not None}
+
+
 def at_world_size(rank, world_size, output_dir):
     """At this world size: STEPS steps of DDP with torch's SGD, then with ZeRO-1, from the same weights on the same
-    batches; then one step of the run continued in output_dir."""
+    batches (and the parameters ZeRO-1's momentum is held for here); then one step of the run continued in
+    output_dir."""
     results = {}
     for name in ("ddp", "zero"):
         model = fresh_ddp()
@@ -94,6 +102,7 @@ def at_world_size(rank, world_size, output_dir):
             model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = weights(model)
+    results["momentum_held"] = momentum_held(model, optimizer)  # the "zero" run's, the loop's last
     return {**results, "continued": continued(rank, world_size, output_dir)}
 
 
@@ -123,6 +132,19 @@ def test_each_rank_holds_about_a_world_size_share_of_the_optimizer_state(ranks):
     for n in (2, 4):
         held = [r["continued"]["state_bytes"] for r in ranks[n]]
         assert sum(held) == alone and max(held) <= 1.25 * alone / n, (n, held)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_each_parameters_momentum_is_held_on_exactly_one_rank(world_size, ranks):
+    """distributed_zero.py's ZeroRedundancyOptimizer over ResNet-18 after 3 steps: each parameter's momentum_buffer in
+    exactly one rank's own optimizer state, every parameter's in one of them, and every rank holding some."""
+    every = {name for name, _ in models.resnet18_cifar().named_parameters()}
+    held = [r["momentum_held"] for r in ranks[world_size]]
+    assert all(held), [len(mine) for mine in held]
+    for name in every:
+        assert [name in mine for mine in held].count(True) == 1, (name, [len(mine) for mine in held])
+    assert set().union(*held) == every
 
 
 @pytest.mark.slow
