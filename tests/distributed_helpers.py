@@ -94,13 +94,16 @@ MODELS = {"float64": [_float64_on_8x8], "float64-groupnorm": [_groupnorm, _float
           "float32-8x8": [_float32_on_8x8_seen]}
 
 
-def _script_entry(rank, world_size, port, script, argv, model, results_dir):
+def _script_entry(index, world_size, ports, script, argv, model, results_dir):
     import runpy
     import sys
 
     from utils import models
+    group, rank = divmod(index, world_size)  # replica group (live recovery's; one group for the other scripts), rank
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports[group]))
+    if len(ports) > 1:  # as torchft's examples start each group's torchrun
+        os.environ.update(REPLICA_GROUP_ID=str(group), NUM_REPLICA_GROUPS=str(len(ports)))
     torch.set_num_threads(1)
     for change in MODELS[model]:
         models.resnet18_cifar = change(models.resnet18_cifar)
@@ -110,20 +113,28 @@ def _script_entry(rank, world_size, port, script, argv, model, results_dir):
         status = 0
     except SystemExit as exited:
         status = exited.code if isinstance(exited.code, int) else int(exited.code is not None)
-    with open(os.path.join(results_dir, f"status-{rank}"), "w") as f:
+    with open(os.path.join(results_dir, f"status-{index}"), "w") as f:
         f.write(str(status))
-    with open(os.path.join(results_dir, f"seen-{rank}"), "w") as f:
+    with open(os.path.join(results_dir, f"seen-{index}"), "w") as f:
         f.write(" ".join(sorted(SEEN)))
 
 
-def script_on_ranks(world_size: int, script: str, argv: list[str], results_dir, model: str = "float64") -> list[int]:
+def script_on_ranks(world_size: int, script: str, argv: list[str], results_dir, model: str = "float64",
+                    replica_groups: int = 1) -> list[int]:
     """The script itself, as torchrun would start it on world_size ranks (RANK, WORLD_SIZE, MASTER_ADDR, ... set; the
     spawn scripts then start no processes of their own), each rank forked from a server that imported torch once;
-    its model built as the script builds it, then changed as MODELS[model] says. Returns each rank's exit status."""
+    its model built as the script builds it, then changed as MODELS[model] says. replica_groups > 1: that many such
+    torchruns at once, each a process group of its own (its own MASTER_PORT) with REPLICA_GROUP_ID and
+    NUM_REPLICA_GROUPS set, as distributed_live_recovery.py's groups are started. Returns each rank's exit status,
+    group by group."""
     from pathlib import Path
     os.makedirs(results_dir, exist_ok=True)
     path = str(Path(__file__).resolve().parent.parent / script)
     new_processes()
-    mp.start_processes(_script_entry, args=(world_size, free_port(), path, argv, model, str(results_dir)),
-                       nprocs=world_size, start_method="forkserver")
-    return [int(Path(results_dir, f"status-{r}").read_text()) for r in range(world_size)]
+    ports = []
+    while len(ports) < replica_groups:  # one port a group, none twice
+        if (port := free_port()) not in ports:
+            ports.append(port)
+    mp.start_processes(_script_entry, args=(world_size, ports, path, argv, model, str(results_dir)),
+                       nprocs=world_size * replica_groups, start_method="forkserver")
+    return [int(Path(results_dir, f"status-{r}").read_text()) for r in range(world_size * replica_groups)]

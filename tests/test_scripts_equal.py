@@ -5,7 +5,9 @@ once. What runs is the script itself: its flags, SyncBatchNorm conversion, DDP (
 sampler, DataLoaders, optimizer and schedule, safety net and checkpoint; only its model computes in float64 on 8x8
 averages of the images (float32 cannot compare world sizes: two summation orders drift apart chaotically within a
 few steps, in float64 they stay within 1e-7 here), and for accumulation has GroupNorm for BatchNorm (whose statistics
-per micro-batch differ from the whole batch's by design).
+per micro-batch differ from the whole batch's by design). Live recovery's replica groups (each group its ranks' own
+process group, a torchft lighthouse of the run's own) are forked alike, each group as its own torchrun would start it;
+two groups of one rank normalise each its own share, as DDP without SyncBatchNorm: the weights and momentum of that.
 
 2 epochs of one step of a global batch of 12 (momentum and the cosine schedule both act on the second), 23 test images
 (no world size of 2 or 3 divides them: a padded shard would count one twice).
@@ -19,12 +21,13 @@ import pytest
 import torch
 from distributed_helpers import script_on_ranks
 
+from examples import own_lighthouse
 from safety_net.sharded_checkpoint import to_single_file
-from utils.models import resnet18_cifar
 
 TEST_IMAGES = 23
 ARGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "12", "--test-samples", str(TEST_IMAGES),
         "--batch-size", "12", "--epochs", "2", "--lr", "0.1", "--workers", "0", "--print-freq", "100"]
+LIVE_RECOVERY = "distributed_live_recovery.py"
 CLIP = ["--clip-grad-norm", "0.1"]  # below every step's norm here (about 1 to 30): every step is clipped
 RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its own flags
     "one process": ("distributed.py", 1, "float64", []),
@@ -54,14 +57,25 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
                                                                                  "2", *CLIP]),
     "2 micro-batches on 2 ranks": ("distributed_gradient_accumulation.py", 2, "float64",
                                    ["--grad-accu-steps", "2", "--no-sync-bn", *CLIP]),
+    # live recovery (torchft): each replica group a torchrun of its own (its own process group), a lighthouse of the
+    # run's own, and a quorum of every group at each step. One group of 2 ranks: SyncBatchNorm over the global batch,
+    # one process's weights. Two groups of one rank: each group normalises its own share (SyncBatchNorm syncs a
+    # group's ranks, not the groups), as DDP without SyncBatchNorm does, and their running statistics are averaged
+    "live recovery, 1 group of 2 ranks": (LIVE_RECOVERY, 2, "float64", ["--replica-groups", "1", *CLIP]),
+    "live recovery, 2 groups of 1 rank": (LIVE_RECOVERY, 1, "float64", ["--replica-groups", "2", *CLIP]),
+    "distributed.py on 2 ranks, no SyncBatchNorm": ("distributed.py", 2, "float64", ["--no-sync-bn", *CLIP]),
     # float16 is slow on a CPU: batches of 4, 3 steps an epoch (the first overflow: the scale comes down), 5 test images
     "float16": ("distributed_apex.py", 1, "float32-8x8", ["--amp-dtype", "float16", "--batch-size", "4",
                                                           "--test-samples", "5", *CLIP]),
 }
 SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
-    name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags)]
-# 6 processes, and 3 more stages: in the full suite only
-SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages"}
+    name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags
+    or "--no-sync-bn" in flags or name == "live recovery, 2 groups of 1 rank")]  # the last two: BatchNorm per share
+# 6 processes, 3 more stages, and live recovery (its lighthouse, 2 runs of 2 processes, and their reference): in the
+# full suite only
+SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages",
+        "live recovery, 1 group of 2 ranks", "live recovery, 2 groups of 1 rank",
+        "distributed.py on 2 ranks, no SyncBatchNorm"}
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
 # SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
 RTOL, ATOL = 1e-6, 1e-9
@@ -76,10 +90,19 @@ def run(module_dir):
     def made(name: str) -> Path:
         script, world_size, model, flags = RUNS[name]
         folder = out / name.replace(" ", "-")
-        statuses = script_on_ranks(world_size, script, ARGS + flags + ["--output-dir", str(folder)],
-                                   out / f"{name.replace(' ', '-')}-ranks", model)
-        assert statuses == [0] * world_size, f"{name}: exit statuses {statuses}"
-        return folder
+        argv, ranks = ARGS + flags + ["--output-dir", str(folder)], out / f"{name.replace(' ', '-')}-ranks"
+        if script != LIVE_RECOVERY:
+            statuses = script_on_ranks(world_size, script, argv, ranks, model)
+            assert statuses == [0] * world_size, f"{name}: exit statuses {statuses}"
+            return folder
+        pytest.importorskip("torchft")
+        groups = last("--replica-groups", name)
+        # no quorum, so no step, without every group (and no commit either): each step is all groups' average
+        with own_lighthouse.on_a_free_port(min_replicas=groups) as lighthouse:
+            statuses = script_on_ranks(world_size, script, argv + ["--lighthouse", lighthouse, "--min-replica-groups",
+                                                                   str(groups)], ranks, model, replica_groups=groups)
+        assert statuses == [0] * (world_size * groups), f"{name}: exit statuses {statuses}"
+        return folder / "replica_group_0"  # group 0's checkpoints and metrics.jsonl; each other group's beside it
     return made
 
 
@@ -100,16 +123,49 @@ def metrics(folder: Path) -> list[dict]:
     return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
 
 
-def assert_same_training(got: dict, expected: dict, name: str, momentum: bool = True) -> None:
-    """Weights and BatchNorm buffers (and each parameter's momentum, where both number them alike) equal."""
+BUFFERS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's: in the state_dict, not parameters
+
+
+def momentum_by_name(checkpoint: dict, name: str) -> dict[str, torch.Tensor]:
+    """Each parameter's momentum buffer in a run's checkpoint, by parameter name, from any of the forms the scripts
+    save: torch's optimizer state_dict keyed by index (model.parameters()'s order: the model's state_dict keys less
+    BatchNorm's buffers), one keyed by name (FSDP's, converted), or the pipeline's flat "state.<name>.momentum_buffer".
+    A form not read here, or a parameter without its momentum, fails the test."""
+    parameters = [key for key in checkpoint["model"] if not key.endswith(BUFFERS)]
+    optimizer = checkpoint["optimizer"]
+    state = optimizer.get("state")
+    if any(key.startswith("state.") for key in optimizer):  # the pipeline's: one flat dict
+        found = {key[len("state."):-len(".momentum_buffer")]: value for key, value in optimizer.items()
+                 if key.startswith("state.") and key.endswith(".momentum_buffer")}
+    elif isinstance(state, dict) and state and all(isinstance(key, int) for key in state):  # torch's, by index
+        indices = [index for group in optimizer["param_groups"] for index in group["params"]]
+        assert indices == list(range(len(parameters))), f"{name}: parameter indices {indices} for {len(parameters)}"
+        found = {parameters[index]: entry.get("momentum_buffer") for index, entry in state.items()}
+    elif isinstance(state, dict) and state and all(isinstance(key, str) for key in state):  # by name
+        found = {key: entry.get("momentum_buffer") for key, entry in state.items()}
+    else:
+        pytest.fail(f"{name}: an optimizer state of no form read here: {sorted(map(str, optimizer))[:5]}")
+    missing, extra = sorted(set(parameters) - set(found)), sorted(set(found) - set(parameters))
+    assert not missing and not extra, f"{name}: momentum missing for {missing[:5]}, for no parameter: {extra[:5]}"
+    without = [key for key, value in found.items() if not isinstance(value, torch.Tensor)]
+    assert not without, f"{name}: no momentum buffer for {without[:5]}"
+    return found
+
+
+def assert_same_training(got: dict, expected: dict, name: str) -> None:
+    """Weights and BatchNorm buffers equal, and every parameter's momentum (read by name from either's form)."""
     assert got["model"].keys() == expected["model"].keys(), name
     for key, value in expected["model"].items():
         torch.testing.assert_close(got["model"][key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: {key}")
-    state, reference = got["optimizer"].get("state", got["optimizer"]), expected["optimizer"].get("state", {})
-    if momentum and state.keys() == reference.keys():
-        for index in reference:
-            torch.testing.assert_close(state[index]["momentum_buffer"], reference[index]["momentum_buffer"],
-                                       rtol=RTOL, atol=ATOL, msg=f"{name}: momentum of parameter {index}")
+    momentum = momentum_by_name(got, name)
+    for key, value in momentum_by_name(expected, f"{name}'s reference").items():
+        torch.testing.assert_close(momentum[key], value, rtol=RTOL, atol=ATOL, msg=f"{name}: momentum of {key}")
+
+
+def without_running_statistics(state: dict) -> dict:
+    """The checkpoint less BatchNorm's running statistics (its count of batches kept)."""
+    return {**state, "model": {key: value for key, value in state["model"].items()
+                               if not key.endswith(("running_mean", "running_var"))}}
 
 
 def test_the_reference_trained_every_step(run):
@@ -127,11 +183,17 @@ def moved(folder: Path) -> float:
     return float((first["model"]["conv1.weight"] - last["model"]["conv1.weight"]).abs().max())
 
 
-@pytest.mark.parametrize("name", SAME_AS_ONE_PROCESS)
+def slow_marked(names) -> list:
+    """pytest.param of each of names, those in SLOW marked slow."""
+    return [pytest.param(name, marks=pytest.mark.slow) if name in SLOW else name for name in names]
+
+
+@pytest.mark.parametrize("name", slow_marked(SAME_AS_ONE_PROCESS))
 def test_each_script_trains_the_weights_of_one_process(name, run):
     """DDP with SyncBatchNorm on 3 ranks and launched by spawn's worker on 2, mixed precision's script in float32,
-    ZeRO-1, FSDP and DataParallel: each the weights, BatchNorm statistics, momentum and losses of one process (with
-    --clip-grad-norm: of one process clipped, and the same norm before clipping: FSDP's over its shards)."""
+    ZeRO-1, FSDP, DataParallel and live recovery's one replica group of 2 ranks: each the weights, BatchNorm
+    statistics, momentum and losses of one process (with --clip-grad-norm: of one process clipped, and the same norm
+    before clipping: FSDP's over its shards)."""
     one = run("one process, clipped" if "--clip-grad-norm" in RUNS[name][3] else "one process")
     epochs = metrics(run(name))
     expected = saved(one) if len(epochs) == 2 else torch.load(one / "checkpoint.1.pt", weights_only=True)
@@ -155,7 +217,7 @@ def test_every_step_was_clipped_and_the_norms_are_logged(run):
             assert all(norm > 0.1 for norm in norms), (name, norms)
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in RUNS])
+@pytest.mark.parametrize("name", slow_marked(RUNS))
 def test_each_script_evaluates_every_test_image_once(name, run):
     """At 1, 2 and 3 ranks, each script's own test loader (and FSDP's padded shard) counts each of the 23 test
     images once, every epoch."""
@@ -199,12 +261,7 @@ def test_a_pipeline_trains_the_weights_of_one_process_accumulating_its_micro_bat
     micro-batches (BatchNorm normalises each micro-batch alone, in both). Its checkpoint, written a stage a rank,
     holds the whole model under distributed.py's names."""
     pipeline, reference = saved(run(name)), saved(run("4 micro-batches in one process"))
-    assert_same_training(pipeline, reference, name, momentum=False)  # momentum: by name here, by index there
-    names = [key for key in reference["model"] if not key.endswith(("running_mean", "running_var", "tracked"))]
-    for index, key in enumerate(names):
-        torch.testing.assert_close(pipeline["optimizer"][f"state.{key}.momentum_buffer"],
-                                   reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
-                                   msg=f"{name}: momentum of {key}")
+    assert_same_training(pipeline, reference, name)  # momentum: by name here, by index there
     for epoch, expected in zip(metrics(run(name)), metrics(run("4 micro-batches in one process")), strict=True):
         for key in ("train_loss", "test_loss", "top1", "lr", "grad_norm"):  # the norm over all stages: the model's
             assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (name, key, epoch, expected)
@@ -226,9 +283,7 @@ def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_
     assert statuses == [0] * stages
     resumed = saved(tmp_path / "run")
     assert (resumed["epoch"], resumed["world_size"]) == (2, stages)
-    assert_same_training(resumed, saved(never_stopped), f"resumed on {stages} stages")
-    momentum = [key for key in resumed["optimizer"] if key.endswith(".momentum_buffer")]
-    assert len(momentum) == len(list(resnet18_cifar().parameters()))  # every parameter's, once
+    assert_same_training(resumed, saved(never_stopped), f"resumed on {stages} stages")  # every parameter's momentum
 
 
 @pytest.mark.slow
@@ -239,15 +294,37 @@ def test_two_copies_of_a_two_stage_pipeline_train_the_weights_of_ddp_accumulatin
     distributed_gradient_accumulation.py on 2 ranks cutting their shares into the same micro-batches (BatchNorm per
     rank and micro-batch, rank 0's statistics kept)."""
     pipeline, reference = saved(run("pipeline, 2 copies of 2 stages")), saved(run("2 micro-batches on 2 ranks"))
-    assert_same_training(pipeline, reference, "2 x 2", momentum=False)
-    names = [key for key in reference["model"] if not key.endswith(("running_mean", "running_var", "tracked"))]
-    for index, key in enumerate(names):
-        torch.testing.assert_close(pipeline["optimizer"][f"state.{key}.momentum_buffer"],
-                                   reference["optimizer"]["state"][index]["momentum_buffer"], rtol=RTOL, atol=ATOL,
-                                   msg=f"momentum of {key}")
+    assert_same_training(pipeline, reference, "2 x 2")
     two_by_two, ddp = metrics(run("pipeline, 2 copies of 2 stages")), metrics(run("2 micro-batches on 2 ranks"))
     for epoch, expected in zip(two_by_two, ddp, strict=True):
         # not the test loss: DDP's ranks each evaluate with their own BatchNorm statistics (rank 0's, plus their
         # last micro-batch's update), the pipeline's copies with the first copy's
         for key in ("train_loss", "lr", "grad_norm", "samples"):
             assert epoch[key] == pytest.approx(expected[key], rel=RTOL), (key, epoch, expected)
+
+
+@pytest.mark.slow
+def test_two_live_recovery_replica_groups_train_the_weights_of_ddp_without_syncbatchnorm(run):
+    """distributed_live_recovery.py, 2 replica groups of one rank each, both in every step's quorum: the gradients
+    averaged over the groups by torchft's manager, each group's BatchNorm normalising its own share of the batch. Each
+    group ends on the weights, momentum, clipping norms and step count of distributed.py on 2 ranks without
+    SyncBatchNorm (the same shares: the deal of the sampler over all groups' processes), its train loss the mean of
+    the groups'; and the groups end bit for bit alike, BatchNorm's running statistics included: each group's, averaged
+    over the groups after the epoch's last step (DDP keeps rank 0's: those are not compared), so both evaluate one
+    model on all 23 test images."""
+    name, ddp = "live recovery, 2 groups of 1 rank", "distributed.py on 2 ranks, no SyncBatchNorm"
+    groups = [run(name), run(name).parent / "replica_group_1"]
+    first, second = (saved(folder) for folder in groups)
+    assert_same_training(without_running_statistics(first), without_running_statistics(saved(run(ddp))), name)
+    for state in (first, second):  # every step committed, by both groups
+        assert state["manager"] == {"step": 2, "batches_committed": 4, "groups": 2}, state["manager"]
+    assert second["model"].keys() == first["model"].keys()
+    differing = [key for key, value in second["model"].items() if not torch.equal(value, first["model"][key])]
+    assert not differing, f"replica group 1 differs from group 0 in {differing[:5]}"
+    group_1, group_0 = momentum_by_name(second, "group 1"), momentum_by_name(first, "group 0")
+    assert all(torch.equal(group_1[key], value) for key, value in group_0.items()), "group 1's momentum differs"
+    for epoch, expected in zip(zip(*map(metrics, groups), strict=True), metrics(run(ddp)), strict=True):
+        assert sum(e["train_loss"] for e in epoch) / 2 == pytest.approx(expected["train_loss"], rel=RTOL), epoch
+        for key in ("lr", "grad_norm"):
+            assert [e[key] for e in epoch] == [pytest.approx(expected[key], rel=RTOL)] * 2, (key, epoch, expected)
+        assert [(e["samples"], e["test_loss"]) for e in epoch] == [(TEST_IMAGES, epoch[0]["test_loss"])] * 2, epoch
