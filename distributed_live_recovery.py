@@ -79,6 +79,8 @@ def average_batchnorm_statistics(manager, model: nn.Module) -> None:
     """Every group of the quorum, after its epoch's last step (a collective, the manager's all-reduce): BatchNorm's
     running statistics, which each group gathered from its own share, averaged, so all evaluate and save one model."""
     buffers = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
+    if not buffers:  # a model without BatchNorm (GroupNorm, say): nothing to average, on every group alike
+        return
     flat = torch.cat([buffer.reshape(-1) for buffer in buffers])  # one all-reduce for all of them
     manager.allreduce(flat).wait()
     if manager.errored() is None:  # a failed all-reduce leaves them as they were (and the next step uncommitted)
