@@ -133,7 +133,8 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
     safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
     with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-        env = launch.this_process(args)  # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them; device, backend
+        # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them (under srun: set from SLURM's), device and backend
+        env = launch.read_and_fill_environment(args)  # sets MASTER_ADDR/MASTER_PORT if unset, for init_process_group
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
         # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:

@@ -2,9 +2,9 @@
 
 torchrun (or torch.distributed.launch) describes each process in environment variables, srun in SLURM's,
 torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index (the spawn scripts set
-torchrun's variables from those); `this_process` reads torchrun's variables, filling in those a start left
-out, so that dist.init_process_group can read them too. The spawn scripts' parent has its own module,
-utils/spawn.py.
+torchrun's variables from those); `read_and_fill_environment` reads torchrun's variables and writes into
+os.environ those a start left out, so that dist.init_process_group can read them too. The spawn scripts'
+parent has its own module, utils/spawn.py.
 """
 import datetime
 import os
@@ -48,11 +48,12 @@ def resolve_backend(flag: str, device_type: str) -> str:
     return flag
 
 
-def this_process(args) -> Env:
-    """This process's place in the job, from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE), and
-    its device and backend. What dist.init_process_group reads from the environment (MASTER_ADDR, MASTER_PORT)
-    is filled in where a start left it out: srun's tasks from SLURM's variables, a launcher that sets no
-    address from --ip/--port (and --local-rank), a plain `python script.py` as a world of one."""
+def read_and_fill_environment(args) -> Env:
+    """Reads this process's place in the job from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE),
+    and its device and backend; and fills in os.environ: what dist.init_process_group reads from it (MASTER_ADDR,
+    MASTER_PORT) is written where a start left it out: srun's tasks from SLURM's variables (RANK, WORLD_SIZE and
+    LOCAL_RANK too), a launcher that sets no address from --ip/--port (and --local-rank), a plain
+    `python script.py` as a world of one."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     flags.check_address(args.ip)
