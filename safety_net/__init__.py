@@ -1,7 +1,7 @@
 """The run's safety net in one object, called by a script at a few named places: checkpoints and resume,
 stop signals and preemption, the divergence guard, the output directory's lock, progress lines and
-metrics.jsonl (and TensorBoard events), a crash in one line, and the store of ranks torchrun restarted. Delete
-those calls from a copy of a script and it still trains.
+metrics.jsonl (and TensorBoard events), a crash in one line. Delete those calls from a copy of a script and it
+still trains.
 
 Every method that communicates with the other ranks says so in the first line of its docstring, and
 every rank calls it at the same line of the script: moved onto one rank's path, it would hang the others.
@@ -28,7 +28,6 @@ import multiprocessing
 import os
 
 import torch
-import torch.distributed as dist
 
 from safety_net import checkpoint as checkpoints
 from safety_net import crash_report, metrics_log, profiling, stopping
@@ -128,20 +127,6 @@ class SafetyNet:
         nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
         SafetyNet.check_flags_before_start(args, script)
         checkpoints.forget_last_read()
-
-    @staticmethod
-    def torchrun_restart_store(timeout) -> dist.Store | None:
-        """The store= of dist.init_process_group: None (it then meets at MASTER_ADDR:MASTER_PORT as usual), except in
-        ranks that torchrun restarted (--max-restarts) to resume from the checkpoint: its store with a key prefix per
-        restart. The agent keeps one store across restarts, and without the prefix a restarted rank can read the
-        address a rank of the killed group published and fail to connect to it (a race, seen here 2 times in 5;
-        pytorch/pytorch#167288). `timeout`: the store's, --dist-timeout (env.timeout)."""
-        restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == 0:
-            return None
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timeout)
-        return dist.PrefixStore(f"attempt_{restarts}", store)
 
     def recorded_precision(self) -> tuple[str | None, str | None]:
         """(precision, path): what the checkpoint this run continues trained in (utils.precision.autocast_dtype

@@ -48,7 +48,7 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     any process group forms, where a subprocess would spend its 3 seconds importing torch. The stop-signal
     handlers a script installs are undone, and so is its note that its ranks had met."""
     from utils import errors
-    environment = dict(os.environ)  # launch.this_process fills in MASTER_ADDR/MASTER_PORT for a world of one
+    environment = dict(os.environ)  # launch.read_and_fill_environment sets MASTER_ADDR/MASTER_PORT for a world of one
     try:
         with stop_handlers_undone():
             main(argv)

@@ -2,9 +2,10 @@
 
 torchrun (or torch.distributed.launch) describes each process in environment variables, srun in SLURM's,
 torch.multiprocessing.spawn in --nnodes/--node-rank/--nprocs and the process index (the spawn scripts set
-torchrun's variables from those); `this_process` reads torchrun's variables, filling in those a start left
-out, so that dist.init_process_group can read them too. The spawn scripts' parent has its own module,
-utils/spawn.py.
+torchrun's variables from those); `read_and_fill_environment` reads torchrun's variables and writes into
+os.environ those a start left out, so that dist.init_process_group can read them too;
+`torchrun_restart_store` is where the ranks meet after torchrun restarted them. The spawn scripts' parent has
+its own module, utils/spawn.py.
 """
 import datetime
 import os
@@ -12,6 +13,7 @@ import re
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from utils import flags
 from utils.errors import UsageError
@@ -48,11 +50,12 @@ def resolve_backend(flag: str, device_type: str) -> str:
     return flag
 
 
-def this_process(args) -> Env:
-    """This process's place in the job, from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE), and
-    its device and backend. What dist.init_process_group reads from the environment (MASTER_ADDR, MASTER_PORT)
-    is filled in where a start left it out: srun's tasks from SLURM's variables, a launcher that sets no
-    address from --ip/--port (and --local-rank), a plain `python script.py` as a world of one."""
+def read_and_fill_environment(args) -> Env:
+    """Reads this process's place in the job from the variables torchrun sets (RANK, LOCAL_RANK, WORLD_SIZE),
+    and its device and backend; and fills in os.environ: what dist.init_process_group reads from it (MASTER_ADDR,
+    MASTER_PORT) is written where a start left it out: srun's tasks from SLURM's variables (RANK, WORLD_SIZE and
+    LOCAL_RANK too), a launcher that sets no address from --ip/--port (and --local-rank), a plain
+    `python script.py` as a world of one."""
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     flags.check_address(args.ip)
@@ -76,6 +79,20 @@ def this_process(args) -> Env:
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+def torchrun_restart_store(timeout) -> dist.Store | None:
+    """The store= of dist.init_process_group: None (it then meets at MASTER_ADDR:MASTER_PORT as usual), except in
+    ranks that torchrun restarted (--max-restarts; the safety net resumes them from the checkpoint): the agent's
+    store with a key prefix per restart. The agent keeps one store across restarts, and without the prefix a
+    restarted rank can read the address a rank of the killed group published and fail to connect to it (a race,
+    seen here 2 times in 5; pytorch/pytorch#167288). `timeout`: the store's, --dist-timeout (env.timeout)."""
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or restarts == 0:
+        return None
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=timeout)
+    return dist.PrefixStore(f"attempt_{restarts}", store)
 
 
 def first_host(nodelist: str) -> str:
