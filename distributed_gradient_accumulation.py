@@ -134,13 +134,11 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
     safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
     with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
         SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
-        # RANK, LOCAL_RANK, WORLD_SIZE as torchrun sets them (under srun: set from SLURM's), device and backend
-        env = launch.read_and_fill_environment(args)  # sets MASTER_ADDR/MASTER_PORT if unset, for init_process_group
+        env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
-        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store: None,
-        # but in a rank torchrun restarted the agent's store under a per-restart prefix, so that the rank does not
-        # meet at the address a rank of the killed group left there)
+        # join the process group at MASTER_ADDR:MASTER_PORT: every rank waits here until all have joined (store:
+        # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
         safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
