@@ -104,7 +104,7 @@ def train(args, env, safety) -> int:
 
     torch.manual_seed(args.seed)
     model = models.resnet18_cifar(data.num_classes(train_set))  # one output per class of the data
-    # every rank built the whole model from the same seed, and keeps its own stage's layers (the others dropped)
+    # every rank builds the whole model on the CPU from the seed (the other scripts' weights), then keeps its stage
     model = split(model, grid.stage, grid.stages)
     model = model.to(env.device, memory_format=torch.channels_last if args.channels_last else torch.contiguous_format)
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
