@@ -50,11 +50,6 @@ CASES = {
 }
 
 
-def run_bad(kind_and_script: list[str], extra: list[str], out):
-    kind, script, *flags = kind_and_script
-    return run(launcher(kind, script) + TINY + flags + extra + ["--output-dir", str(out)], timeout=120)
-
-
 def assert_one_line_error(result, expected: str):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2, result.stderr[-2000:]

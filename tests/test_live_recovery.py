@@ -160,7 +160,6 @@ def test_bad_flags_are_one_line(capsys, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.timeout(120)
 def test_a_model_without_batchnorm_has_no_statistics_to_average():
     """A copy's own model without BatchNorm (GroupNorm): the end of an epoch averages nothing, and asks no all-reduce
     (torch.cat of no buffers raised)."""
@@ -174,6 +173,7 @@ def test_a_model_without_batchnorm_has_no_statistics_to_average():
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
 
+@pytest.mark.timeout(120)
 def test_importing_the_plumbing_changes_nothing():
     """utils/live_recovery.py sets no RUST_LOG, warning filter or log filter when imported: only the script's call of
     import_torchft_with_quiet_logs does (a fresh interpreter: this one imported the script)."""

@@ -102,7 +102,8 @@ def at_world_size(rank, world_size, output_dir):
             model.parameters(), lr=0.1, momentum=0.9, weight_decay=5e-4)
         train_steps(model, optimizer, rank, world_size, slice(0, STEPS))
         results[name] = weights(model)
-    results["momentum_held"] = momentum_held(model, optimizer)  # the "zero" run's, the loop's last
+        if name == "zero":
+            results["momentum_held"] = momentum_held(model, optimizer)
     return {**results, "continued": continued(rank, world_size, output_dir)}
 
 
