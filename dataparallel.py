@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from safety_net import SafetyNet
 from speed import techniques
 from utils import data, flags, launch, metrics, models, precision
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 from utils.gpus import gpus_for_dataparallel
 
 
@@ -73,7 +73,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, scaler,
             return
 
 
-def train(args, env, safety, gpus) -> int:
+def train(args, env, safety, gpus):
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision())  # None: float32
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # one process loads the whole batch
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
@@ -108,13 +108,12 @@ def train(args, env, safety, gpus) -> int:
     # float16 gradients underflow to 0 below 6e-8, so the loss is scaled up; bfloat16 has float32's range
     scaler = torch.amp.GradScaler(env.device.type, enabled=amp_dtype == torch.float16)  # else a pass-through
 
-    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        safety.load_weights(model)
-        safety.write_eval(metrics.evaluate(model, test_loader, env.device))
-        return safety.finish()
     # continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, scaler, step)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
                                 steps_per_epoch=len(train_loader), scaler=scaler, precision=amp_dtype)
+    if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
+        safety.write_eval(metrics.evaluate(model, test_loader, env.device))
+        return
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
@@ -122,25 +121,22 @@ def train(args, env, safety, gpus) -> int:
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, scaler, args.clip_grad_norm)
         # split over the GPUs too; a stop signal cuts it short
         results = metrics.evaluate(model, test_loader, env.device, stop=safety.stop_received_here)
-        if safety.ask_all_ranks_whether_to_stop():  # a stop signal came: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: a stop with a checkpoint
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: a stop with a checkpoint; an error: one line (bad input: exit status 2; a
+    # crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with SafetyNet.for_flags(args, __file__) as safety:
         gpus = gpus_for_dataparallel(args.gpu, args.device, args.compile)  # --gpu, or all visible; [] on the CPU
         device = torch.device("cuda", gpus[0]) if gpus else torch.device("cpu")  # the replicas gather here
         env = launch.Env(rank=0, local_rank=0, world_size=1, device=device)  # one process: no process group
-        safety.arm(env)  # the stop signals' handling starts here
-        status = train(args, env, safety, gpus)
-    sys.exit(status)
+        with safety.running(env):  # the stop signals' handling starts here; a stop's exit status at the end
+            train(args, env, safety, gpus)
 
 
 if __name__ == "__main__":

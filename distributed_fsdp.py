@@ -19,7 +19,7 @@ from safety_net import SafetyNet
 from safety_net.sharded_checkpoint import ShardedCheckpoint
 from speed import techniques
 from utils import data, flags, launch, metrics, models, precision, sharding
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -77,7 +77,7 @@ def shard(model: nn.Module, amp_dtype: torch.dtype | None, reshard: bool, units:
     return fully_shard(model, mesh=mesh, mp_policy=root, reshard_after_forward=reshard)
 
 
-def train(args, env, safety) -> int:
+def train(args, env, safety):
     # None: float32; no float16, which would need loss scaling across the shards
     amp_dtype = precision.autocast_dtype(args, env.device, env.is_main, safety.recorded_precision(), float16=False)
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # the global batch split evenly over the ranks
@@ -116,13 +116,12 @@ def train(args, env, safety) -> int:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
-    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        safety.load_weights(model, amp_dtype)  # each rank reads its own shards (torch.distributed.checkpoint)
-        safety.write_eval(metrics.evaluate(model, test_batches, env.device, autocast_dtype))
-        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each rank reads its own shards)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
                                 steps_per_epoch=len(train_loader), precision=amp_dtype)
+    if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
+        safety.write_eval(metrics.evaluate(model, test_batches, env.device, autocast_dtype))
+        return
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
@@ -132,20 +131,17 @@ def train(args, env, safety) -> int:
         if args.no_sync_bn:  # FSDP shards parameters, not buffers: rank 0's BatchNorm statistics for all, as DDP has
             sharding.broadcast_buffers_from_rank_0(model)
         results = metrics.evaluate(model, test_batches, env.device, autocast_dtype)  # ranks forward in step: no stop
-        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint, each rank writing its own shards
-    safety = SafetyNet.for_flags(args, __file__, sharded_checkpoint=ShardedCheckpoint)
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint; an error: one line (bad input: exit
+    # status 2; a crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with SafetyNet.for_flags(args, __file__, sharded_checkpoint=ShardedCheckpoint) as safety:  # each rank its shards
         env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
@@ -153,12 +149,11 @@ def main(argv=None):
         # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
-        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
-            status = train(args, env, safety)
+            with safety.running(env):  # every rank: the stop agreement's own gloo group; a barrier at the end
+                train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
-    sys.exit(status)
 
 
 if __name__ == "__main__":

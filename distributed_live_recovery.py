@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from safety_net.healing import HealingSafetyNet
 from speed import techniques
 from utils import data, flags, launch, live_recovery, metrics, models
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 from utils.syncbn import CpuSyncBatchNorm
 
 torchft = live_recovery.import_torchft_with_quiet_logs()  # PyTorch's fault-tolerance library (pip install torchft)
@@ -88,7 +88,7 @@ def average_batchnorm_statistics(manager, model: nn.Module) -> None:
             buffer.copy_(averaged.view_as(buffer))
 
 
-def train(args, env, safety) -> int:
+def train(args, env, safety):
     batch = flags.per_rank_batch(args.batch_size, env.world_size * args.replica_groups)  # all groups' processes
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle dealt to the processes of all groups in turn (process p of group g takes k, k+W,
@@ -115,7 +115,7 @@ def train(args, env, safety) -> int:
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json (no lighthouse)
         safety.load_weights(model)
         safety.write_eval(metrics.evaluate(model, test_loader, env.device))
-        return safety.finish()
+        return
     # torchft: this group's manager. Each step it asks the lighthouse which groups are alive (the quorum),
     # averages over them, and hands a group that joins behind the others this one's state to heal it
     manager = torchft.Manager(
@@ -142,11 +142,10 @@ def train(args, env, safety) -> int:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
-    safety.note_in_progress_lines(lambda: f"{manager.num_participants()} of {args.replica_groups} replica groups")
     # every rank: continue from <output-dir>'s checkpoint if there is one (with the manager's count of committed
-    # steps, by which the quorum tells which group is behind)
+    # steps, by which the quorum tells which group is behind); progress lines end "N of R replica groups"
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
-                  steps_per_epoch=len(train_loader))
+                  replica_groups=args.replica_groups, steps_per_epoch=len(train_loader))
     # a group continuing from its checkpoint waits (--wait-for-groups) for as many groups as its last step had: trained
     # on alone it could reach another's checkpointed step on other weights, and torchft heals only a group behind
     safety.wait_for_the_groups_of_the_last_step(args.lighthouse, args.wait_for_groups)
@@ -162,19 +161,17 @@ def train(args, env, safety) -> int:
             average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
-        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = HealingSafetyNet.for_flags(args, __file__)  # + a heal's state; Ctrl-C, SIGTERM: stop, checkpoint
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        HealingSafetyNet.check_flags_before_start(args, __file__)  # <output-dir> free, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint; an error: one line (bad input: exit
+    # status 2; a crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with HealingSafetyNet.for_flags(args, __file__) as safety:
         live_recovery.check_lighthouse(args)  # the lighthouse answers, and no live group has this --replica-group
         env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         if env.device.type == "cuda":
@@ -183,12 +180,11 @@ def main(argv=None):
         # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
-        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
-            status = train(args, env, safety)
+            with safety.running(env):  # every rank: the stop agreement's own gloo group; a barrier at the end
+                train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
-    sys.exit(status)
 
 
 if __name__ == "__main__":

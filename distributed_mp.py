@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 from safety_net import SafetyNet
 from speed import techniques
 from utils import data, flags, launch, metrics, models
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 from utils.spawn import add_spawn_flags, complete_and_check_spawn_flags, launched_by_torchrun, supervising_the_ranks
 from utils.syncbn import CpuSyncBatchNorm
 
@@ -55,7 +55,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_nor
             return
 
 
-def train(args, env, safety) -> int:
+def train(args, env, safety):
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # the global batch split evenly over the ranks
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle dealt to the ranks in turn (rank r: r, r+W, ...); DistributedSampler + set_epoch(skip)
@@ -93,13 +93,12 @@ def train(args, env, safety) -> int:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
-    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        safety.load_weights(model)
-        safety.write_eval(metrics.evaluate(model.module, test_loader, env.device))
-        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
                                 steps_per_epoch=len(train_loader))
+    if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
+        safety.write_eval(metrics.evaluate(model.module, test_loader, env.device))
+        return
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
@@ -107,21 +106,19 @@ def train(args, env, safety) -> int:
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
-        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def worker(local_rank, args):  # runs in each spawned process (local_rank None: in a process torchrun started)
     if local_rank is not None:  # what torchrun would have set: dist.init_process_group reads it
         os.environ.update(MASTER_ADDR=args.ip, MASTER_PORT=str(args.port), WORLD_SIZE=str(args.nnodes * args.nprocs),
                           RANK=str(args.node_rank * args.nprocs + local_rank), LOCAL_RANK=str(local_rank))
-    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint; an error: one line (bad input: exit
+    # status 2; a crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with SafetyNet.for_flags(args, __file__) as safety:
         env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
@@ -129,21 +126,20 @@ def worker(local_rank, args):  # runs in each spawned process (local_rank None: 
         # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
-        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
-            status = train(args, env, safety)
+            with safety.running(env):  # every rank: the stop agreement's own gloo group; a barrier at the end
+                train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
-    sys.exit(status)
 
 
 def main(argv=None):
     args = parse_args(argv)
     if launched_by_torchrun():  # torchrun started this process as one rank: start no others
         return worker(None, args)
-    with exit_on_error(SafetyNet.report_crash):  # checks before any process starts: one line, exit status 2
-        complete_and_check_spawn_flags(args)  # --nprocs: one per visible GPU unless given; --port: a free one
-        SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+    # checks before any process starts (what is wrong: one line, exit status 2)
+    complete_and_check_spawn_flags(args)  # --nprocs: one per visible GPU unless given; --port: a free one
+    SafetyNet.check_flags_before_spawn(args, __file__)  # no other run in <output-dir>, its checkpoint usable
     # as torchrun would: a stop signal to this process goes to the ranks, which save and exit; a failed rank's error
     with supervising_the_ranks():
         mp.spawn(worker, args=(args,), nprocs=args.nprocs)  # one process per GPU, each runs worker(i, args)

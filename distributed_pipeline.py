@@ -4,7 +4,7 @@ into micro-batches that flow through the stages (torch.distributed.pipelining), 
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py                  # 4 stages on 4 GPUs
     torchrun --standalone --nproc_per_node=2 distributed_pipeline.py --device cpu     # 2 stages, 2 CPU processes
     torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --microbatches 8 --schedule gpipe
-    torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --replicas 2   # 2 copies of a 2-stage pipeline
+    torchrun --standalone --nproc_per_node=4 distributed_pipeline.py --replicas 2   # 2 replicas of a 2-stage pipeline
 
 Each rank holds its stage's weights, gradients and optimizer state (dealt for equal compute, not equal memory: layer4,
 on the last stage, holds 75% of the weights), sends activations forward and their gradients back to its neighbours,
@@ -24,7 +24,7 @@ from safety_net import SafetyNet
 from safety_net.sharded_checkpoint import PipelineCheckpoint
 from speed import techniques
 from utils import data, flags, launch, models, pipelining
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 
 
 def parse_args(argv=None):
@@ -54,12 +54,12 @@ def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm
         # only the first stage feeds the images in, only the last compares with the targets; the gradients are the
         # mean over the micro-batches (the schedule divides each by their number), as one batch's would be
         schedule.step(*([images] if stage.is_first else []), target=targets if stage.is_last else None, losses=losses)
-        pipelining.average_over_copies(stage.submod, grid.copies)  # --replicas: each stage's gradients, over its copies
+        pipelining.average_over_replicas(stage.submod, grid.replicas)  # --replicas: each stage's gradients averaged
         grad_norm = None
         if max_norm:  # --clip-grad-norm: each stage holds its own layers' gradients, the model's norm is the root of
             # their squared norms summed over the stages (every stage: a collective), then each clips its own
             grad_norm = nn.utils.get_total_norm([p.grad for p in stage.submod.parameters()]) ** 2
-            dist.all_reduce(grad_norm, group=grid.pipeline)  # this copy's stages (each copy has the same gradients)
+            dist.all_reduce(grad_norm, group=grid.pipeline)  # this replica's stages (all replicas: the same gradients)
             grad_norm = grad_norm.sqrt()
             nn.utils.clip_grads_with_norm_(stage.submod.parameters(), max_norm, grad_norm)
         optimizer.step()
@@ -84,19 +84,19 @@ def split(model: nn.Module, stage: int, stages: int) -> nn.Sequential:
     return nn.Sequential(OrderedDict(parts))
 
 
-def train(args, env, safety) -> int:
-    grid = pipelining.layout(env, args.replicas)  # this rank's stage and copy of the pipeline, and their groups
-    batch = args.batch_size // args.replicas  # every stage of a copy works on its share, in --microbatches pieces
+def train(args, env, safety):
+    grid = pipelining.layout(env, args.replicas)  # this rank's stage and replica of the pipeline, their groups
+    batch = args.batch_size // args.replicas  # every stage of a replica works on its share, in --microbatches pieces
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
-    # each epoch a seeded shuffle dealt to the copies in turn (copy c: c, c+R, ...), the same batches on each of its
-    # stages; DistributedSampler + set_epoch(skip)
+    # each epoch a seeded shuffle dealt to the replicas in turn (replica c: c, c+R, ...), the same batches on each of
+    # its stages; DistributedSampler + set_epoch(skip)
     sampler = data.ResumableDistributedSampler(train_set, num_replicas=args.replicas, rank=grid.replica,
                                                seed=args.seed, drop_last=True)  # drop_last: no sample repeated
     # workers forked, not spawned (10-30 s each), kept for the whole run; pinned batches: copied without a host wait
     loading = dict(num_workers=args.workers, persistent_workers=args.workers > 0, pin_memory=env.device.type == "cuda",
                    multiprocessing_context="fork" if args.workers and sys.platform == "linux" else None)
     train_loader = DataLoader(train_set, batch_size=batch, sampler=sampler, drop_last=True, **loading)
-    # each copy's share of the test set, images c, c+R, ...: each counted once, by the last stage of one copy
+    # each replica's share of the test set, images c, c+R, ...: each counted once, by the last stage of one replica
     test_loader = DataLoader(test_set, batch_size=batch, sampler=range(grid.replica, len(test_set), args.replicas),
                              **loading)
     if len(train_loader) == 0:  # drop_last: a training set smaller than one global batch gives no step at all
@@ -123,35 +123,31 @@ def train(args, env, safety) -> int:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
-    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        safety.load_weights(model)  # each stage reads its own layers' weights, at any number of stages
-        safety.write_eval(pipelining.evaluate(stage, schedule, test_loader, env.device, batch))
-        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (each stage reads its own layers' part)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
                                 steps_per_epoch=len(train_loader))
+    if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
+        safety.write_eval(pipelining.evaluate(stage, schedule, test_loader, env.device, batch))
+        return
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
         train_one_epoch(stage, schedule, optimizer, train_loader, env.device, safety, args.clip_grad_norm, grid)
-        pipelining.broadcast_buffers_from_the_first_copy(model, grid.copies)  # one model to evaluate and save
+        pipelining.broadcast_buffers_from_the_first_replica(model, grid.replicas)  # one model to evaluate and save
         # through the pipeline, every test image once; every stage takes part, so a stop waits for its end
         results = pipelining.evaluate(stage, schedule, test_loader, env.device, batch)
-        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint, each stage writing its own layers' part
-    safety = SafetyNet.for_flags(args, __file__, sharded_checkpoint=PipelineCheckpoint)
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__, sharded=True)  # <output-dir> free, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint; an error: one line (bad input: exit
+    # status 2; a crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with SafetyNet.for_flags(args, __file__, sharded_checkpoint=PipelineCheckpoint) as safety:  # each stage its layers
         env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         pipelining.check_stages(env.world_size, args.replicas, args.microbatches)  # at most 8 stages, M >= S
         if env.device.type == "cuda":
@@ -160,12 +156,11 @@ def main(argv=None):
         # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
-        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
-            status = train(args, env, safety)
+            with safety.running(env):  # every rank: the stop agreement's own gloo group; a barrier at the end
+                train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
-    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """ZeRO-1: distributed.py's DDP with the optimizer state sharded (ZeroRedundancyOptimizer), ResNet-18 on CIFAR-100.
-Each of the N ranks keeps the momentum of about 1/N of the parameters and updates only those; docs/sharding.md.
+Each of N ranks keeps the momentum of about 1/N of the parameters, updates those, sends them to rank 0 to save.
 
     torchrun --standalone --nproc_per_node=4 distributed_zero.py                  # 4 GPUs of this machine
     torchrun --standalone --nproc_per_node=2 distributed_zero.py --device cpu     # 2 CPU processes, gloo
@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from safety_net import SafetyNet
 from speed import techniques
 from utils import data, flags, launch, metrics, models
-from utils.errors import UsageError, exit_on_error
+from utils.errors import UsageError
 from utils.syncbn import CpuSyncBatchNorm
 
 
@@ -53,7 +53,7 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_nor
             return
 
 
-def train(args, env, safety) -> int:
+def train(args, env, safety):
     batch = flags.per_rank_batch(args.batch_size, env.world_size)  # the global batch split evenly over the ranks
     train_set, test_set = data.datasets(args, env)  # your own data: replace data.datasets (docs/template.md)
     # each epoch a seeded shuffle dealt to the ranks in turn (rank r: r, r+W, ...); DistributedSampler + set_epoch(skip)
@@ -83,9 +83,7 @@ def train(args, env, safety) -> int:
     if args.compile:  # fused kernels (the first steps pay for compilation); the state_dict keys stay the same
         model.compile()
     criterion = nn.CrossEntropyLoss()
-    # ZeRO-1: the parameters dealt to the ranks, each rank an SGD (and its momentum) over its share only; a
-    # checkpoint first gathers the shares on rank 0, every rank taking part (safety_net/checkpoint.py)
-    optimizer = ZeroRedundancyOptimizer(  # --optimizer-impl: the kernel of each rank's SGD
+    optimizer = ZeroRedundancyOptimizer(  # ZeRO-1: each rank an SGD over its share; --optimizer-impl: the SGD's kernel
         model.parameters(), optimizer_class=torch.optim.SGD, lr=args.lr, momentum=args.momentum,
         weight_decay=args.weight_decay, **techniques.sgd_kernel(args.optimizer_impl))
     scheduler = lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.epochs - args.warmup_epochs)  # --lr to 0, by epoch
@@ -93,13 +91,12 @@ def train(args, env, safety) -> int:
         warmup = lr_scheduler.LinearLR(optimizer, start_factor=0.01, total_iters=args.warmup_epochs)
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
 
-    if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json
-        safety.load_weights(model)
-        safety.write_eval(metrics.evaluate(model.module, test_loader, env.device))
-        return safety.finish()
     # every rank: continue from <output-dir>'s checkpoint if there is one (model, optimizer, schedule, step)
     start_epoch = safety.resume(model=model, optimizer=optimizer, scheduler=scheduler,
-                                steps_per_epoch=len(train_loader))
+                                steps_per_epoch=len(train_loader), before_save=optimizer.consolidate_state_dict)
+    if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
+        safety.write_eval(metrics.evaluate(model.module, test_loader, env.device))
+        return
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
@@ -107,19 +104,17 @@ def train(args, env, safety) -> int:
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
-        if safety.ask_all_ranks_whether_to_stop():  # a signal reached some rank: a checkpoint of this step, then exit
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr=scheduler.get_last_lr()[0])  # metrics.jsonl, and the epoch's line
+        if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
+            return
         scheduler.step()
         safety.save(epoch + 1)  # the checkpoint of the epochs done, in <output-dir>
-    return safety.finish()
 
 
 def main(argv=None):
     args = parse_args(argv)
-    safety = SafetyNet.for_flags(args, __file__)  # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint
-    with exit_on_error(safety.report_crash):  # one line (bad input: exit status 2; a crash: 1, its traceback in a file)
-        SafetyNet.check_flags_before_start(args, __file__)  # no other run in <output-dir>, its checkpoint usable
+    # from here on Ctrl-C or SIGTERM: every rank stops with a checkpoint; an error: one line (bad input: exit
+    # status 2; a crash: 1, its traceback in a file); first: no other run in <output-dir>, its checkpoint usable
+    with SafetyNet.for_flags(args, __file__) as safety:
         env = launch.read_and_fill_environment(args)  # RANK, WORLD_SIZE read; MASTER_ADDR/PORT set where unset
         if env.device.type == "cuda":
             torch.cuda.set_device(env.device)  # this process's GPU: NCCL and every .cuda() without an index use it
@@ -127,12 +122,11 @@ def main(argv=None):
         # None, but in a rank torchrun restarted, a prefix per restart: not the addresses the dead ranks left there)
         dist.init_process_group(env.backend, rank=env.rank, world_size=env.world_size, timeout=env.timeout,
                                 store=launch.torchrun_restart_store(env.timeout))
-        safety.arm(env)  # every rank: the stop agreement's own gloo group (a collective) and the launcher's watch
         try:
-            status = train(args, env, safety)
+            with safety.running(env):  # every rank: the stop agreement's own gloo group; a barrier at the end
+                train(args, env, safety)
         finally:
             dist.destroy_process_group()  # frees the backend's threads and sockets before the process ends
-    sys.exit(status)
 
 
 if __name__ == "__main__":

@@ -6,26 +6,27 @@ still trains.
 Every method that communicates with the other ranks says so in the first line of its docstring, and
 every rank calls it at the same line of the script: moved onto one rank's path, it would hang the others.
 
-    safety = SafetyNet.for_flags(args, __file__)   # first thing: stop signals are caught from here on
-    safety.arm(env)                                # once the process group exists
-    start_epoch = safety.resume(model=..., optimizer=..., scheduler=..., steps_per_epoch=...)
-    for epoch in range(start_epoch, epochs):
-        start_step = safety.begin_epoch(epoch)     # 0, or the step a mid-epoch checkpoint reached
-        for images, targets in loader:
-            ...
-            if safety.step_done(loss):             # True once every rank knows of a stop signal
-                break
-        results = metrics.evaluate(..., stop=safety.stop_received_here)
-        if safety.ask_all_ranks_whether_to_stop():
-            return safety.save_stopped_run()
-        safety.end_epoch(results, lr)
-        scheduler.step()
-        safety.save(epoch + 1)
-    return safety.finish()
+    with SafetyNet.for_flags(args, __file__) as safety:  # first: stop signals caught; errors one line
+        ... dist.init_process_group(...)
+        with safety.running(env):                     # every rank: the stop agreement's group; at the end a barrier
+            start_epoch = safety.resume(model=..., optimizer=..., scheduler=..., steps_per_epoch=...)
+            for epoch in range(start_epoch, epochs):
+                start_step = safety.begin_epoch(epoch)   # 0, or the step a mid-epoch checkpoint reached
+                for images, targets in loader:
+                    ...
+                    if safety.step_done(loss):           # True once every rank knows of a stop signal
+                        break
+                results = metrics.evaluate(..., stop=safety.stop_received_here)
+                if safety.end_epoch(results, lr):        # a stop agreed: its checkpoint written, leave
+                    break
+                scheduler.step()
+                safety.save(epoch + 1)
 """
+import contextlib
 import importlib.util
 import multiprocessing
 import os
+import sys
 
 import torch
 
@@ -93,7 +94,8 @@ class SafetyNet:
         parser.checks.append(_tensorboard_missing)
         parser.checks.append(_init_from_conflicts)
 
-    # for utils.errors.exit_on_error: a crash as one line and exit status 1, its traceback in a file (crash_report.py)
+    # for utils.errors.exit_on_error in a copy that wants it without a SafetyNet: a crash as one line and exit status
+    # 1, its traceback in a file (crash_report.py)
     report_crash = staticmethod(crash_report.report)
 
     @classmethod
@@ -109,23 +111,33 @@ class SafetyNet:
                    tensorboard=args.tensorboard, watch_launcher=watch_launcher, profile_steps=args.profile_steps,
                    checkpoint_kind=kind)
 
+    def __enter__(self) -> "SafetyNet":
+        """`with SafetyNet.for_flags(...) as safety:` around a process's work: check_flags_before_start first; an error
+        within is one line (utils.errors.exit_on_error: bad input exit status 2, a crash 1, its traceback in a file)."""
+        self._errors = errors.exit_on_error(crash_report.report)
+        self._errors.__enter__()
+        try:
+            _check_before_start(self.options, self.script, self.profile_steps)
+        except Exception:
+            self.__exit__(*sys.exc_info())  # its line and exit status
+        return self
+
+    def __exit__(self, kind, error, traceback) -> bool:
+        return self._errors.__exit__(kind, error, traceback)
+
     @staticmethod
     def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
         """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other
         run holds it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is
         there, readable, and of this script's run (sharded: FSDP's checkpoint directories)."""
-        options = checkpoints.Options.from_flags(args, sharded)
-        checkpoints.check_output_dir_writable(options)
-        if not options.evaluate:
-            checkpoints.check_output_dir_free(options.output_dir)
-        checkpoints.check_before_start(options, script)
-        profiling.check_before_start(args.profile_steps, options.evaluate, options.output_dir)  # --profile-steps
+        _check_before_start(checkpoints.Options.from_flags(args, sharded), script, args.profile_steps)
 
     @staticmethod
     def check_flags_before_spawn(args, script: str) -> None:
-        """check_flags_before_start in a process that only starts the ranks (mp.spawn's parent): it keeps
-        nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
-        SafetyNet.check_flags_before_start(args, script)
+        """check_flags_before_start in a process that only starts the ranks (mp.spawn's parent), an error one line: it
+        keeps nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
+        with errors.exit_on_error(crash_report.report):
+            SafetyNet.check_flags_before_start(args, script)
         checkpoints.forget_last_read()
 
     def recorded_precision(self) -> tuple[str | None, str | None]:
@@ -133,35 +145,47 @@ class SafetyNet:
         keeps it), and where it is; (None, None) for a new run or --evaluate."""
         return checkpoints.recorded_precision(self.options)
 
-    def arm(self, env) -> None:
-        """Every rank, once the process group exists (collective: makes the stop agreement's gloo group). From here on
-        an error every rank meets exits every rank at once (utils.errors.note_ranks_met)."""
+    @contextlib.contextmanager
+    def running(self, env):
+        """Every rank, around the training once the process group exists (collectives: the stop agreement's gloo
+        group made; at the end a barrier after its last all-reduce). Within, an error every rank meets exits every
+        rank at once; after a stop (end_epoch returned True) the process exits with 128 + the signal's number."""
         self.env = env
         errors.note_ranks_met()
-        # on the CPU the ranks meet at every step (DDP over gloo): a stop there waits for no further step
-        self.stop.arm(env.world_size, one_step=env.device.type == "cpu", is_main=env.is_main)
+        self.stop.arm(  # on the CPU the ranks meet every step (DDP over gloo): a stop waits for no further step
+            env.world_size, one_step=env.device.type == "cpu", is_main=env.is_main)
         if self.profile_steps:
             folder = os.path.join(self.options.output_dir, profiling.FOLDER)
             self.profiler = profiling.StepProfiler(self.profile_steps, folder, env.rank, env.device.type)
+        yield self
+        if self.stop.saved:  # the stopped run's checkpoint is written, every rank met after it
+            sys.exit(self.stop.exit_status)
+        self._finish()
 
-    def _checkpoints(self, precision, parts: dict):
-        return self.checkpoint_kind(self.options, self.env, self.script, precision=precision, **parts)
+    def _checkpoints(self, precision, parts: dict, before_save=None):
+        return self.checkpoint_kind(self.options, self.env, self.script, precision=precision, before_save=before_save,
+                                    **parts)
 
     def load_weights(self, model, precision: torch.dtype | None = None) -> None:
-        """For --evaluate: the weights of <output-dir>'s newest checkpoint into the model (sharded: every rank
-        reads its shards, a collective)."""
+        """For --evaluate before there is all that resume() takes (live recovery's manager): the weights of
+        <output-dir>'s newest checkpoint into the model (sharded: every rank reads its shards, a collective)."""
         self._checkpoints(precision, {"model": model}).load_weights()
 
     def write_eval(self, results: dict) -> None:
         """Rank 0 writes <output-dir>/eval.json and prints the results."""
         metrics_log.write_eval(self.options.output_dir, results, self.env.is_main)
 
-    def resume(self, *, steps_per_epoch: int, precision: torch.dtype | None = None, **parts) -> int:
+    def resume(self, *, steps_per_epoch: int, precision: torch.dtype | None = None, before_save=None, **parts) -> int:
         """Every rank (collectives: the output directory's lock agreed, weights broadcast when sharded): take
         <output-dir>, and restore every part (model=, optimizer=, scheduler=, scaler=) from its newest
-        checkpoint, or the weights of --init-from for a new run. Returns the epoch to start at.
-        precision: the autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
-        self.checkpoint = self._checkpoints(precision, parts)
+        checkpoint, or the weights of --init-from for a new run; under --evaluate only the model's weights, and
+        <output-dir> is not taken. Returns the epoch to start at.
+        precision: the autocast dtype the run trains in (None: float32), recorded so that a resume keeps it.
+        before_save: a function every rank calls before each checkpoint is written (ZeRO-1's consolidation)."""
+        self.checkpoint = self._checkpoints(precision, parts, before_save)
+        if self.options.evaluate:  # --evaluate: only the weights (sharded: each rank its shards), nothing to train
+            self.checkpoint.load_weights()
+            return self.options.epochs
         self.stop.checkpoint_path = self.checkpoint.path  # what a stop that leaves at once says it keeps
         self.start_at = self.checkpoint.resume()
         self.steps_per_epoch = steps_per_epoch
@@ -218,32 +242,28 @@ class SafetyNet:
         the same on every rank; the epoch's loop was cut short there."""
         return bool(self.stop.signum)
 
-    def ask_all_ranks_whether_to_stop(self) -> bool:
-        """Every rank (collective: an all-reduce of the stop flag): whether any rank got a stop signal."""
-        return self.stop.agree_now()
-
-    def save_stopped_run(self) -> int:
-        """Every rank (collectives: the epoch's loss all-reduced, the checkpoint's checks, a barrier): the
-        checkpoint of the step every rank reached, then rank 0 says how to continue. Returns the exit status."""
+    def end_epoch(self, results: dict, lr: float) -> bool:
+        """Every rank, after the evaluation (collectives: the stop flag and the epoch's loss all-reduced; on a stop, the
+        checkpoint's). A stop signal reached some rank: the checkpoint of the step all reached, rank 0 says how to
+        continue, True (leave). Else rank 0 writes and prints the epoch's line of metrics.jsonl, False."""
         progress = self.progress
-        self.checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
-        return self.stop.finish_stopped_run(epoch=progress.epoch, step=progress.step, steps=progress.total,
-                                            path=self.checkpoint.path, is_main=self.env.is_main)
-
-    def end_epoch(self, results: dict, lr: float) -> None:
-        """Every rank (collective: the epoch's loss all-reduced): rank 0 writes the epoch's line of
-        metrics.jsonl (and TensorBoard events) and prints it."""
-        self.log.write({"epoch": self.progress.epoch + 1, "lr": lr, **self.progress.summary(), **results,
+        if self.stop.agree_now():  # a signal reached some rank (in the evaluation, say): every rank stops here
+            self.checkpoint.save(epoch=progress.epoch, step=progress.step, epoch_loss=progress.loss_so_far())
+            self.stop.finish_stopped_run(epoch=progress.epoch, step=progress.step, steps=progress.total,
+                                         path=self.checkpoint.path, is_main=self.env.is_main)
+            return True
+        self.log.write({"epoch": progress.epoch + 1, "lr": lr, **progress.summary(), **results,
                         "world_size": self.env.world_size})
+        return False
 
     def save(self, epochs_done: int) -> None:
-        """Every rank (collectives: the weights checked finite on every rank, a ZeroRedundancyOptimizer's state
-        gathered on rank 0, rank 0's write agreed): the checkpoint after `epochs_done` epochs; weights that are not
+        """Every rank (collectives: the weights checked finite on every rank, resume's before_save, rank 0's
+        write agreed): the checkpoint after `epochs_done` epochs; weights that are not
         finite stop the run and overwrite nothing."""
         self.checkpoint.save(epoch=epochs_done)
 
-    def finish(self) -> int:
-        """Every rank, at the end (collective: a barrier after the stop flag's last all-reduce): returns 0."""
+    def _finish(self) -> None:
+        """Every rank, at the end (collective: a barrier after the stop flag's last all-reduce)."""
         self.stop.finish()
         if self.progress is not None and self.progress.bar:
             self.progress.bar.close()
@@ -251,7 +271,14 @@ class SafetyNet:
             self.profiler.close()
             if self.env.is_main:
                 print(self.profiler.last_line(self.options.output_dir, self.env.world_size), flush=True)
-        return 0
+
+
+def _check_before_start(options: checkpoints.Options, script: str, profile_steps: int | None) -> None:
+    checkpoints.check_output_dir_writable(options)
+    if not options.evaluate:
+        checkpoints.check_output_dir_free(options.output_dir)
+    checkpoints.check_before_start(options, script)
+    profiling.check_before_start(profile_steps, options.evaluate, options.output_dir)  # --profile-steps
 
 
 def _init_from_conflicts(args) -> str | None:

@@ -2,11 +2,11 @@
 with weights_only=True; and the lock that lets one run at a time use an output directory.
 
 A checkpoint holds the weights (without DDP's "module." prefix), optimizer (distributed_zero.py's
-ZeroRedundancyOptimizer: its shards gathered on rank 0 first, so any world size can resume it), scheduler and,
-where there is one, the GradScaler, with the epoch and step reached, the flags that define the run, and what the run
-resolved them to (the precision it trained in, the optimizer's implementation). It holds no RNG state
-because none is needed: the data order and the augmentation are functions of (--seed, epoch, index)
-(utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
+ZeroRedundancyOptimizer: its shards gathered on rank 0 first, by the script's before_save, so any world size can
+resume it), scheduler and, where there is one, the GradScaler, with the epoch and step reached, the flags that
+define the run, and what the run resolved them to (the precision it trained in, the optimizer's implementation). It
+holds no RNG state because none is needed: the data order and the augmentation are functions of (--seed, epoch,
+index) (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
 
 distributed_fsdp.py writes sharded checkpoints instead: directories checkpoint.dcp, checkpoint.1.dcp, ...
 (safety_net/sharded_checkpoint.py). Finding, locking, checking and keeping them is the same, and lives here.
@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from safety_net.stop_errors import Diverged, StorageError
@@ -431,8 +430,10 @@ class Checkpoint:
     """The checkpoints of one run in <output-dir>: save on rank 0, load on every rank. `precision` is the
     autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
 
-    def __init__(self, options: Options, env, script: str, *, precision: torch.dtype | None = None, **parts):
+    def __init__(self, options: Options, env, script: str, *, precision: torch.dtype | None = None, before_save=None,
+                 **parts):
         self.options, self.env, self.script, self.parts = options, env, os.path.basename(script), parts
+        self.before_save = before_save  # every rank, before each save (ZeRO-1's shares gathered on rank 0)
         self.precision = str(precision).removeprefix("torch.") if precision else "float32"
         self.path = kept_path(options.output_dir, 0, options.sharded)
         self.epoch_loss = (0.0, 0.0)  # (sum, count) over all ranks of the losses of the epoch so far
@@ -517,17 +518,15 @@ class Checkpoint:
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
         """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are
-        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; a
-        ZeroRedundancyOptimizer's shards of the state are gathered on rank 0 (a collective); then rank 0
-        writes, and a failed write raises StorageError on every rank."""
+        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; before_save()
+        runs on every rank; then rank 0 writes, and a failed write raises StorageError on every rank."""
         weights = unwrap(self.parts["model"]).state_dict()
         floats = [t for t in weights.values() if t.is_floating_point()]
         if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
                            f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
-        optimizer = self.parts.get("optimizer")
-        if isinstance(optimizer, ZeroRedundancyOptimizer):  # distributed_zero.py: each rank holds part of the state;
-            optimizer.consolidate_state_dict(to=0)  # every rank sends rank 0 its part (on rank 0 alone: a hang)
+        if self.before_save:
+            self.before_save()
         error = None
         if self.env.is_main:
             try:

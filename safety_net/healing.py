@@ -31,9 +31,11 @@ class ManagerState:
 class HealingSafetyNet(SafetyNet):
     """SafetyNet, and a live replica group's state to hand over or take (torchft's Manager calls both)."""
 
-    def resume(self, *, manager, **parts) -> int:
-        """SafetyNet.resume, with the manager's state in the checkpoint (ManagerState)."""
+    def resume(self, *, manager, replica_groups: int, **parts) -> int:
+        """SafetyNet.resume, with the manager's state in the checkpoint (ManagerState); each progress line then ends
+        with how many of the `replica_groups` took part in the last quorum."""
         self.manager_state = ManagerState(manager)
+        self.progress_note = lambda: f"{manager.num_participants()} of {replica_groups} replica groups"
         return super().resume(manager=self.manager_state, **parts)
 
     def wait_for_the_groups_of_the_last_step(self, lighthouse: str, wait_s: float) -> None:
@@ -72,7 +74,3 @@ class HealingSafetyNet(SafetyNet):
     def epoch_to_start(self) -> int:
         """The epoch the loop starts at: the checkpoint's (resume), or the live group's a heal took (above)."""
         return self.start_at[0]
-
-    def note_in_progress_lines(self, note) -> None:
-        """note(): a few words put at the end of every progress line (called only when one is printed)."""
-        self.progress_note = note

@@ -45,7 +45,8 @@ def test_without_the_flag_the_net_makes_no_profiler(tmp_path):
     args = distributed.parse_args(TINY + ["--output-dir", str(tmp_path)])
     with stop_handlers_undone():
         safety = SafetyNet.for_flags(args, distributed.__file__)
-        safety.arm(SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True))
+        with safety.running(SimpleNamespace(world_size=1, rank=0, device=torch.device("cpu"), is_main=True)):
+            pass
     assert args.profile_steps is None and safety.profiler is None
 
 

@@ -52,8 +52,8 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
                                                                               "gpipe", *CLIP]),
     "4 micro-batches in one process": ("distributed_gradient_accumulation.py", 1, "float64",
                                        ["--grad-accu-steps", "4", *CLIP]),
-    # 2 copies of a 2-stage pipeline against DDP on 2 ranks accumulating the same micro-batches, BatchNorm per rank
-    "pipeline, 2 copies of 2 stages": ("distributed_pipeline.py", 4, "float64", ["--microbatches", "2", "--replicas",
+    # 2 replicas of a 2-stage pipeline against DDP on 2 ranks accumulating the same micro-batches, BatchNorm per rank
+    "pipeline, 2 replicas of 2 stages": ("distributed_pipeline.py", 4, "float64", ["--microbatches", "2", "--replicas",
                                                                                  "2", *CLIP]),
     "2 micro-batches on 2 ranks": ("distributed_gradient_accumulation.py", 2, "float64",
                                    ["--grad-accu-steps", "2", "--no-sync-bn", *CLIP]),
@@ -73,7 +73,7 @@ SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() 
     or "--no-sync-bn" in flags or name == "live recovery, 2 groups of 1 rank")]  # the last two: BatchNorm per share
 # 6 processes, 3 more stages, and live recovery (its lighthouse, 2 runs of 2 processes, and their reference): in the
 # full suite only
-SLOW = {"pipeline, 2 copies of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages",
+SLOW = {"pipeline, 2 replicas of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages",
         "live recovery, 1 group of 2 ranks", "live recovery, 2 groups of 1 rank",
         "distributed.py on 2 ranks, no SyncBatchNorm"}
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
@@ -287,15 +287,15 @@ def test_a_pipeline_resumed_at_another_stage_count_ends_on_the_weights_of_a_run_
 
 
 @pytest.mark.slow
-def test_two_copies_of_a_two_stage_pipeline_train_the_weights_of_ddp_accumulating_their_micro_batches(run):
+def test_two_replicas_of_a_two_stage_pipeline_train_the_weights_of_ddp_accumulating_their_micro_batches(run):
     """--replicas 2 on 4 ranks (a 2 x 2 mesh): each copy of the pipeline trains on its share of every batch (the
     sampler deals them to the copies as to DDP's ranks), each stage's gradients averaged over the copies, and the
     clipping norm summed over one copy's stages: the weights, momentum, norms and losses of
     distributed_gradient_accumulation.py on 2 ranks cutting their shares into the same micro-batches (BatchNorm per
     rank and micro-batch, rank 0's statistics kept)."""
-    pipeline, reference = saved(run("pipeline, 2 copies of 2 stages")), saved(run("2 micro-batches on 2 ranks"))
+    pipeline, reference = saved(run("pipeline, 2 replicas of 2 stages")), saved(run("2 micro-batches on 2 ranks"))
     assert_same_training(pipeline, reference, "2 x 2")
-    two_by_two, ddp = metrics(run("pipeline, 2 copies of 2 stages")), metrics(run("2 micro-batches on 2 ranks"))
+    two_by_two, ddp = metrics(run("pipeline, 2 replicas of 2 stages")), metrics(run("2 micro-batches on 2 ranks"))
     for epoch, expected in zip(two_by_two, ddp, strict=True):
         # not the test loss: DDP's ranks each evaluate with their own BatchNorm statistics (rank 0's, plus their
         # last micro-batch's update), the pipeline's copies with the first copy's

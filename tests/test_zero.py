@@ -77,7 +77,7 @@ def continued(rank, world_size, output_dir):
     optimizer, scheduler = zero_with_cosine(model, run_args(output_dir))
     env = Env(rank=rank, local_rank=rank, world_size=world_size, device=torch.device("cpu"))
     checkpoint = Checkpoint(Options.from_flags(run_args(output_dir)), env, "distributed_zero.py", model=model,
-                            optimizer=optimizer, scheduler=scheduler)
+                            optimizer=optimizer, scheduler=scheduler, before_save=optimizer.consolidate_state_dict)
     epoch, step = checkpoint.resume()
     train_steps(model, optimizer, rank, world_size, slice(step, step + 1))
     checkpoint.save(epoch=0, step=step + 1)

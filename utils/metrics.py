@@ -14,7 +14,7 @@ def evaluate(model: torch.nn.Module, loader, device: torch.device, autocast_dtyp
 
     stop: a function of no arguments asked before each batch, on this rank only (SafetyNet.stop_received_here):
     once it says yes this rank stops evaluating, and the results are partial; the caller then agrees with
-    the other ranks whether to stop (SafetyNet.ask_all_ranks_whether_to_stop). Not with a loader whose ranks must
+    the other ranks whether to stop (SafetyNet.end_epoch). Not with a loader whose ranks must
     forward together (a sharded model's: utils/sharding.py), where a rank that left early would leave
     the others waiting in their all-gathers.
 

@@ -22,13 +22,13 @@ def add_flags(parser) -> None:
                        help="micro-batches each global batch is cut into, at least one per stage; the stages idle "
                             "for (S-1)/(M+S-1) of a step (the bubble). BatchNorm normalises each micro-batch alone")
     group.add_argument("--replicas", type=flags.positive_int, default=1, metavar="R",
-                       help="R copies of the pipeline, each on world size / R ranks and a 1/R share of every batch; "
-                            "each stage's gradients averaged over its R copies, as DDP's (a 2-D mesh of ranks)")
+                       help="R replicas of the pipeline, each on world size / R ranks and a 1/R share of every batch; "
+                            "each stage's gradients averaged over its R replicas, as DDP's (a 2-D mesh of ranks)")
     parser.checks.append(microbatches_divide_the_batch)
 
 
 def microbatches_divide_the_batch(args) -> str | None:
-    pieces = args.replicas * args.microbatches  # each copy's share of the batch, cut into micro-batches
+    pieces = args.replicas * args.microbatches  # each replica's share of the batch, cut into micro-batches
     into = f"--replicas {args.replicas} x " * (args.replicas > 1) + f"--microbatches {args.microbatches}"
     if args.batch_size % pieces:
         return f"--batch-size {args.batch_size} does not divide into {into}"
@@ -39,10 +39,10 @@ def microbatches_divide_the_batch(args) -> str | None:
 
 
 def check_stages(world_size: int, replicas: int, microbatches: int) -> None:
-    """Before the ranks meet: the ranks split into whole copies of the pipeline, as many stages as the split allows,
+    """Before the ranks meet: the ranks split into whole replicas of the pipeline, as many stages as the split allows,
     and a micro-batch for each stage to work on (fewer hang in torch's schedules, pytorch/torchtitan#775)."""
     if world_size % replicas:
-        raise UsageError(f"{world_size} processes do not split into --replicas {replicas} copies of the pipeline")
+        raise UsageError(f"{world_size} processes do not split into --replicas {replicas} replicas of the pipeline")
     stages = world_size // replicas
     if stages > BLOCKS:
         raise UsageError(f"{stages} stages but ResNet-18 splits into at most {BLOCKS} (one residual block each); "
@@ -53,38 +53,38 @@ def check_stages(world_size: int, replicas: int, microbatches: int) -> None:
 
 
 def layout(env, replicas: int) -> SimpleNamespace:
-    """Where this rank sits: .stage of .stages in its copy .replica of the pipeline (rank = replica x stages + stage),
-    .pipeline the process group of its copy's stages (None: all ranks), .copies that of its stage in every copy (None:
-    one copy). Every rank (collective: makes the groups of the 2-D mesh)."""
+    """Where this rank sits: .stage of .stages in its replica .replica of the pipeline (rank = replica x stages +
+    stage), .pipeline the process group of its replica's stages (None: all ranks), .replicas that of its stage in
+    every replica (None: one replica). Every rank (collective: makes the groups of the 2-D mesh)."""
     stages = env.world_size // replicas
     if replicas == 1:
-        return SimpleNamespace(stage=env.rank, stages=stages, replica=0, pipeline=None, copies=None)
-    mesh = init_device_mesh(env.device.type, (replicas, stages), mesh_dim_names=("copies", "pipeline"))
+        return SimpleNamespace(stage=env.rank, stages=stages, replica=0, pipeline=None, replicas=None)
+    mesh = init_device_mesh(env.device.type, (replicas, stages), mesh_dim_names=("replicas", "pipeline"))
     return SimpleNamespace(stage=mesh["pipeline"].get_local_rank(), stages=stages,
-                           replica=mesh["copies"].get_local_rank(), pipeline=mesh["pipeline"].get_group(),
-                           copies=mesh["copies"].get_group())
+                           replica=mesh["replicas"].get_local_rank(), pipeline=mesh["pipeline"].get_group(),
+                           replicas=mesh["replicas"].get_group())
 
 
-def average_over_copies(model: torch.nn.Module, copies) -> None:
-    """--replicas: every rank (collective: one all-reduce over `copies`, after the step's last micro-batch): this
-    stage's gradients averaged over its copies, as DDP would, all of them flattened into one message (not one a
+def average_over_replicas(model: torch.nn.Module, replicas) -> None:
+    """--replicas: every rank (collective: one all-reduce over `replicas`, after the step's last micro-batch): this
+    stage's gradients averaged over its replicas, as DDP would, all of them flattened into one message (not one a
     parameter: 30 or 32 a step here). Hand-written: DDP around a stage fails its bucket rebuild after the schedule's
-    several forwards (torch 2.14: "rebuilt parameter indices" INTERNAL ASSERT). Nothing with one copy."""
-    if copies is not None:
+    several forwards (torch 2.14: "rebuilt parameter indices" INTERNAL ASSERT). Nothing with one replica."""
+    if replicas is not None:
         grads = [parameter.grad for parameter in model.parameters()]
         flat = torch.cat([grad.flatten() for grad in grads])
-        dist.all_reduce(flat, group=copies)
-        flat /= dist.get_world_size(copies)  # the sum to the mean
+        dist.all_reduce(flat, group=replicas)
+        flat /= dist.get_world_size(replicas)  # the sum to the mean
         for grad, mean in zip(grads, flat.split([grad.numel() for grad in grads]), strict=True):
             grad.copy_(mean.view_as(grad))
 
 
-def broadcast_buffers_from_the_first_copy(model: torch.nn.Module, copies) -> None:
-    """Every rank (collective: a broadcast per buffer over `copies`): the first copy's BatchNorm statistics in every
-    copy of this stage, as DDP keeps rank 0's; nothing with one copy."""
-    if copies is not None:
+def broadcast_buffers_from_the_first_replica(model: torch.nn.Module, replicas) -> None:
+    """Every rank (collective: a broadcast per buffer over `replicas`): the first replica's BatchNorm statistics in
+    every replica of this stage, as DDP keeps rank 0's; nothing with one replica."""
+    if replicas is not None:
         for buffer in model.buffers():
-            dist.broadcast(buffer, group=copies, group_src=0)
+            dist.broadcast(buffer, group=replicas, group_src=0)
 
 
 @torch.no_grad()

@@ -12,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from utils import flags, launch
-from utils.errors import UsageError, print_line
+from utils.errors import UsageError, exit_on_error, print_line
 
 
 def add_spawn_flags(parser: flags.Parser) -> None:
@@ -81,13 +81,15 @@ def prepare_rendezvous(args) -> None:
 def complete_and_check_spawn_flags(args) -> None:
     """Before any process starts: --nprocs filled in when not given (one per visible GPU, 2 on the CPU), then
     everything that can be wrong with a spawn launch checked (the job's shape against the GPUs, the batch
-    split, --ip); on node 0, the rendezvous port checked, or a free one chosen when --port is not given."""
-    args.nprocs = args.nprocs or default_nprocs(args.device)
-    check_launch(args, local_processes=args.nprocs)
-    # getattr: --grad-accu-steps is distributed_gradient_accumulation.py's own flag (the others step whole batches)
-    flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
-    flags.check_address(args.ip)
-    prepare_rendezvous(args)
+    split, --ip); on node 0, the rendezvous port checked, or a free one chosen when --port is not given. What is
+    wrong: one line, exit status 2 (utils.errors.exit_on_error)."""
+    with exit_on_error():
+        args.nprocs = args.nprocs or default_nprocs(args.device)
+        check_launch(args, local_processes=args.nprocs)
+        # getattr: --grad-accu-steps is distributed_gradient_accumulation.py's own flag (the others step whole batches)
+        flags.per_rank_batch(args.batch_size, args.nnodes * args.nprocs, getattr(args, "grad_accu_steps", 1))
+        flags.check_address(args.ip)
+        prepare_rendezvous(args)
 
 
 def default_nprocs(device_flag: str) -> int:
