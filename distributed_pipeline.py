@@ -51,9 +51,12 @@ def train_one_epoch(stage, schedule, optimizer, loader, device, safety, max_norm
         targets = targets.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         losses = []  # filled on the last stage: each micro-batch's loss
-        # only the first stage feeds the images in, only the last compares with the targets; the gradients are the
-        # mean over the micro-batches (the schedule divides each by their number), as one batch's would be
-        schedule.step(*([images] if stage.is_first else []), target=targets if stage.is_last else None, losses=losses)
+        # the gradients are the mean over the micro-batches (the schedule divides each by their number), as one
+        # batch's would be; only the last stage compares with the targets (the schedule splits them on every stage)
+        if stage.is_first:  # the first stage feeds the images in
+            schedule.step(images, target=targets, losses=losses)
+        else:  # the others take their inputs from the stage before
+            schedule.step(target=targets, losses=losses)
         pipelining.average_over_replicas(stage.submod, grid.replicas)  # --replicas: each stage's gradients averaged
         grad_norm = None
         if max_norm:  # --clip-grad-norm: each stage holds its own layers' gradients, the model's norm is the root of
