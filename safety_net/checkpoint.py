@@ -42,7 +42,7 @@ LOCKNAME = "run.lock"
 # compared as the run resolved it (precision.autocast_dtype), the other flags may change (docs/fault_tolerance.md).
 RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "warmup_epochs", "momentum", "weight_decay", "dataset",
              "train_samples", "no_augment", "no_sync_bn", "grad_accu_steps", "microbatches", "clip_grad_norm",
-             "init_from")
+             "init_from", "sync_every", "outer_lr", "outer_momentum")
 # optimizer settings that pick an implementation of the same update: the flag given now is the one in force
 IMPLEMENTATION_KEYS = ("foreach", "fused")
 
