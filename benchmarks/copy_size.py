@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPTS = ("dataparallel.py", "distributed.py", "distributed_mp.py", "distributed_apex.py",
            "distributed_gradient_accumulation.py", "distributed_zero.py", "distributed_fsdp.py",
-           "distributed_live_recovery.py", "distributed_pipeline.py")
+           "distributed_live_recovery.py", "distributed_pipeline.py", "distributed_diloco.py")
 PACKAGES = ("utils", "speed", "safety_net")  # the repository's modules a script can import
 
 

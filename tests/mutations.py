@@ -73,6 +73,12 @@ MUTATIONS = [
      "CpuSyncBatchNorm's running variance biased"),
     ("distributed_gradient_accumulation.py", "bucket_cap_mb=args.bucket_cap_mb,", "bucket_cap_mb=None,",
      "--bucket-cap-mb ignored: 3 gradient all-reduces an optimizer step, not 1"),
+    ("distributed_diloco.py", "        buffer.copy_(mean.view_as(buffer))", "        None",
+     "DiLoCo's BatchNorm statistics not averaged at a round: the round's start keeps rank 0's"),
+    ("distributed_diloco.py", "nesterov=args.outer_momentum > 0)", "nesterov=False)",
+     "DiLoCo's outer SGD with classical momentum, not Nesterov's"),
+    ("distributed_diloco.py", "[(start - now).flatten() for start, now in", "[now.flatten() for start, now in",
+     "DiLoCo all-reduces the weights, not the pseudo-gradients (round's start - weights now)"),
     ("utils/errors.py", 'and not (_ranks_met or (dist.is_available() and dist.is_initialized())):', ':',
      "an error after the ranks met: the ranks but local rank 0 still wait 30 s to exit"),
 ]

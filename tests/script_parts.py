@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 LOADERS = ("loading", "train_loader", "test_loader")  # what the loaders' statements assign
 # the scripts whose ranks each load a share of every batch and of the test set (dataparallel.py: one process, all)
 SHARDING = ["distributed.py", "distributed_mp.py", "distributed_apex.py", "distributed_gradient_accumulation.py",
-            "distributed_zero.py", "distributed_fsdp.py", "distributed_live_recovery.py"]
+            "distributed_zero.py", "distributed_fsdp.py", "distributed_live_recovery.py", "distributed_diloco.py"]
 OPTIMIZER = ("optimizer", "scheduler")
 
 
