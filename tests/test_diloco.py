@@ -229,11 +229,10 @@ def test_torchft_diloco_trains_the_same_parameters(made, tmp_path):
                                             (["--outer-lr", "0"], "--outer-lr: must be a finite number above 0"),
                                             (["--outer-lr", "-1"], "--outer-lr: must be a finite number above 0"),
                                             (["--outer-momentum", "-0.5"], "--outer-momentum: must be a finite")])
-def test_bad_flags_are_one_line(argv, says, capsys):
-    with pytest.raises(SystemExit) as exited:
-        script.parse_args(argv)
-    said = capsys.readouterr().err
-    assert exited.value.code == 2 and said.count("\n") == 1 and says in said, said
+def test_bad_flags_are_one_line_before_the_ranks_meet(argv, says, capsys):
+    """main() itself, in this process: refused at its flags, before any process group or data."""
+    result = run_main(script.main, ["--device", "cpu", "--dataset", "synthetic", *argv], capsys)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and says in result.stderr, result.stderr
 
 
 @pytest.mark.parametrize("flag", ["--sync-every", "--outer-lr", "--outer-momentum"])
