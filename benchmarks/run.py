@@ -585,8 +585,14 @@ def which_stop(stop: KeyboardInterrupt) -> tuple[int, str]:
 
 
 def write_tables(results: dict, out: Path) -> None:
-    """benchmark.json and benchmark.md, each replaced whole (written beside, then renamed over)."""
-    for name, text in (("benchmark.json", json.dumps(results, indent=1)), ("benchmark.md", markdown(results))):
+    """benchmark.json and benchmark.md, each replaced whole."""
+    write_whole(out, {"benchmark.json": json.dumps(results, indent=1), "benchmark.md": markdown(results)})
+
+
+def write_whole(out: Path, files: dict[str, str]) -> None:
+    """Each file {name: text} in `out` replaced whole (written beside, then renamed over): a run stopped or killed
+    meanwhile leaves the previous copy or the new one, never half of one."""
+    for name, text in files.items():
         partial = out / f".{name}.partial"
         partial.write_text(text)
         partial.replace(out / name)
