@@ -68,14 +68,15 @@ class StepProfiler:
         if self.started:
             return
         self.started = True
-        from torch.profiler import ProfilerActivity, profile, schedule
+        from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile, schedule
         # kineto's own log lines (start and stop notes; on a machine without a GPU, a "gpuGetDeviceCount failed"
         # ERROR that means nothing here) are silenced, unless KINETO_LOG_LEVEL is set
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device_type == "cuda" else [])
         when = schedule(wait=SKIPPED_STEPS, warmup=WARMUP_STEPS, active=self.steps, repeat=1)
-        # record_shapes: each collective's tensor sizes, which python -m benchmarks.timeline writes on the picture
-        self.profiler = profile(activities=activities, schedule=when, on_trace_ready=self._write, record_shapes=True)
+        # record_shapes: the collectives' sizes (benchmarks.timeline); all threads: those a callback starts (PowerSGD's)
+        self.profiler = profile(activities=activities, schedule=when, on_trace_ready=self._write, record_shapes=True,
+                                experimental_config=_ExperimentalConfig(profile_all_threads=True))
         self.profiler.start()
 
     def step(self) -> None:
