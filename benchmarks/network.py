@@ -1,0 +1,824 @@
+"""Each strategy over a link of known speed: two hosts, one rank each, the link between them shaped to a list of rates.
+
+    python -m benchmarks.network --quick            # 2 rates, per-rank batch 8: under 10 minutes on 2 cores
+    python -m benchmarks.network                    # 5 rates, 4 timed steps a row: about an hour on 2 cores
+    python -m benchmarks.network --rates 100mbit,30mbit --only DDP,fp16     # some rates, some rows
+
+It needs root and iproute2 (network namespaces, tc) and taskset; without them it says so in one line, exit status 2.
+The two hosts are network namespaces joined by a veth pair (as tests/test_multinode.py makes them), each running one
+rank of the job pinned to a core of its own (taskset), one thread each; tc's token bucket (tbf) on both ends of the
+link holds each direction to the rate. Each row runs a real script with its own flags, through torchrun, a launcher
+on each host (two nodes of one process, the rendezvous on host 0), on CIFAR-100-shaped synthetic data at the CPU
+benchmark's per-rank batch (benchmarks.run: 32; 8 with --quick), float32. Each run is two epochs of --steps + 1 steps:
+the first is warm-up (PowerSGD all-reduces in full through it and compresses from the second); timed are the second
+epoch's steps after its first, each the time between two of rank 0's progress lines (--print-freq 1) as they reach
+this program: forward, backward, the communication the step waits for, the optimizer's step and the line's own small
+all-reduce, no evaluation and no start-up. As each line arrives, this program reads how many bytes each host's
+interface has sent (/proc/<launcher pid>/net/dev, in the host's namespace): the bytes of the timed steps.
+
+At the first (fastest) rate each row also runs a third epoch and records steps 3 to --steps + 3 with --profile-steps:
+the collectives of one step of the second epoch, read from the traces as benchmarks/timeline.py reads them, and the
+bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters. Compute alone is the
+bare step (benchmarks/bare_step.py: the same per-rank batch, no process group), one process pinned on each host's
+core, both at once; the floor a rate sets is max(compute alone, bytes the busier host sends per step / rate), and
+step / floor is what each row is judged by. Then a --profile-steps timeline of DDP at the rate where its bytes take as
+long as its backward (benchmarks.timeline's lanes, into timeline.png), and what each gradient compression costs in
+learning: the loss after the same steps on the learnable synthetic set, beside DDP's and DDP's with another seed
+(two ranks on this machine, unshaped: the loss does not depend on the link).
+
+Writes <output-dir>/network.md (the tables), network.json and network.png (step time against rate); the tables after
+every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP) keeps the rows it measured, marked unfinished. Nothing is left
+behind: the namespaces are deleted (their link and its qdiscs with them) and every process in them ended.
+"""
+import argparse
+import contextlib
+import itertools
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from benchmarks import run as benchmark
+from benchmarks import timeline
+from benchmarks.commit import git_commit
+from examples.local_processes import alive
+from utils import flags
+from utils.errors import UsageError, exit_on_error
+
+ROOT = benchmark.ROOT
+MB = 2**20
+RATES, QUICK_RATES = "unshaped,1gbit,300mbit,100mbit,30mbit", "unshaped,300mbit"
+INTERFACES = ("veth-a", "veth-b")  # host 0's end of the link, host 1's
+ADDRESSES = ("10.231.1.1", "10.231.1.2")  # inside the namespaces: no clash with this machine's own
+PROGRESS = re.compile(r"epoch (\d+)/\d+ step (\d+)/\d+ ")  # rank 0's line after each step (--print-freq 1)
+# the bytes one of 2 ranks sends for a collective of the size a trace gives it, by what gloo ran: an all-reduce's ring
+# sends its size (half in the reduce-scatter, half in the all-gather), an all-gather's size is the rank's own input, a
+# broadcast is sent by its source alone (the trace does not say which rank: half each); a recv sends nothing
+WIRE_SHARE = {"all_reduce": 1.0, "all_gather": 1.0, "broadcast": 0.5, "send": 1.0, "reduce_scatter": 0.5}
+TIMELINE_ROW = "DDP"  # the row drawn at the rate where its communication takes as long as its backward
+
+
+def rows() -> list[benchmark.Row]:
+    """The strategies, each a script with its own flags, as benchmarks.run's rows run them."""
+    def row(name, script, *extra):
+        return benchmark.Row(name, script, "torchrun", list(extra), table="network")
+    return [
+        row("DDP", "distributed.py"),
+        # one bucket for all 43 MB of gradients (the first bucket too, once the size is given): DDP starts a bucket's
+        # all-reduce when its last gradient is ready, so this one starts when the backward ends: no overlap
+        row("DDP, one bucket after the backward", "distributed.py", "--bucket-cap-mb", "64"),
+        row("DDP, no SyncBatchNorm", "distributed.py", "--no-sync-bn"),
+        row("DDP + fp16 compression", "distributed.py", "--comm-hook", "fp16"),
+        row("DDP + bf16 compression", "distributed.py", "--comm-hook", "bf16"),
+        row("DDP + PowerSGD (rank 2)", "distributed.py", "--comm-hook", "powersgd"),
+        row("gradient accumulation (k=4)", "distributed_gradient_accumulation.py", "--grad-accu-steps", "4"),
+        row("ZeRO-1", "distributed_zero.py"),
+        row("FSDP", "distributed_fsdp.py", "--opt-level", "O0"),
+        # HSDP across the two hosts: 2 replicas of one shard each (a machine of one rank has nothing to shard over)
+        row("HSDP (2 replicas of 1 shard)", "distributed_fsdp.py", "--opt-level", "O0", "--replicas", "2"),
+        row("Pipeline (2 stages, 1F1B, 4 micro-batches)", "distributed_pipeline.py"),
+    ]
+
+
+def parse_rates(text: str) -> list[dict] | str:
+    """The rates of --rates, the fastest first (unshaped before all), each {"tc": tc's word or None, "bps": bits per
+    second or None, "label"}; or why the text is not a list of rates."""
+    rates = []
+    for word in (w.strip().lower() for w in text.split(",")):
+        if word == "unshaped":
+            rates.append({"tc": None, "bps": None, "label": "unshaped"})
+            continue
+        found = re.fullmatch(r"(\d+(?:\.\d+)?)([kmg])bit", word)
+        bps = float(found[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[found[2]] if found else 0
+        if bps < 1e6:
+            return (f"--rates: {word!r} is not a rate of 1 Mbit/s or more (unshaped, or a number and kbit, mbit or "
+                    "gbit, as tc writes them: 300mbit, 1gbit)")
+        rates.append({"tc": word, "bps": bps, "label": rate_label(bps)})
+    labels = [r["label"] for r in rates]
+    if len(set(labels)) < len(labels):
+        return f"--rates: {text!r} names a rate twice"
+    return sorted(rates, key=lambda r: -(r["bps"] or float("inf")))
+
+
+def rate_label(bps: float) -> str:
+    """1 Gbit/s, 300 Mbit/s: a rate as the tables name it (1 Mbit/s or more)."""
+    return f"{bps / 1e9:g} Gbit/s" if bps >= 1e9 else f"{bps / 1e6:g} Mbit/s"
+
+
+def tx_bytes(pid: int, interface: str) -> int:
+    """The bytes `interface` has sent, as the network namespace of process `pid` sees it (/proc/<pid>/net/dev: this
+    program stays in its own namespace, where the interface is not)."""
+    for line in Path(f"/proc/{pid}/net/dev").read_text().splitlines():
+        name, _, counters = line.partition(":")
+        if name.strip() == interface:
+            return int(counters.split()[8])  # receive: 8 counters, then transmit's bytes
+    raise OSError(f"process {pid} sees no {interface}")
+
+
+class TwoHosts:
+    """Two network namespaces joined by a veth pair, as tests/test_multinode.py makes them: host i has address
+    ADDRESSES[i] on its end INTERFACES[i], and runs its commands pinned to a core of its own. On exit every process
+    still in them is killed and both are deleted: their link and its qdiscs go with them."""
+
+    def __init__(self, prefix: str = "ddp-network"):
+        self.names = [f"{prefix}-{os.getpid()}-{i}" for i in (0, 1)]
+        self.cores = host_cores()
+        self.made = []
+
+    def __enter__(self):
+        missing = [tool for tool in ("ip", "tc", "taskset") if shutil.which(tool) is None]
+        if os.geteuid() != 0 or missing:
+            raise UsageError("two hosts on one machine need root (network namespaces, tc) and " +
+                             (f"{', '.join(missing)}, missing here" if missing else "iproute2 and taskset") +
+                             ": run it as root, or on a machine where you are")
+        try:
+            for name in self.names:
+                _ip("netns", "add", name)
+                self.made.append(name)
+            _ip("link", "add", INTERFACES[0], "netns", self.names[0], "type", "veth", "peer", "name", INTERFACES[1],
+                "netns", self.names[1])
+            for name, interface, address in zip(self.names, INTERFACES, ADDRESSES, strict=True):
+                _ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
+                _ip("-n", name, "link", "set", interface, "up")
+                _ip("-n", name, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as error:
+            self.__exit__()
+            raise UsageError(f"cannot make two network namespaces here: {error.stderr.strip()}") from None
+        return self
+
+    def __exit__(self, *exc):
+        for name in self.made:
+            pids = [int(p) for p in _ip("netns", "pids", name, check=False).stdout.split()]
+            for pid in pids:  # ours: nothing else runs in a namespace this program made
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while alive(pids) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            _ip("netns", "del", name, check=False)
+        self.made = []
+
+    def shape(self, rate: dict) -> None:
+        """Both directions held to the rate by a token bucket on each end of the link; unshaped: none."""
+        for name, interface in zip(self.names, INTERFACES, strict=True):
+            if rate["tc"] is None:  # none there yet: tc says so, and that is fine
+                subprocess.run(["tc", "-n", name, "qdisc", "del", "dev", interface, "root"], capture_output=True)
+                continue
+            shaped = subprocess.run(["tc", "-n", name, "qdisc", "replace", "dev", interface, "root", "tbf", "rate",
+                                     rate["tc"], "burst", "256kb", "latency", "100ms"], capture_output=True, text=True)
+            if shaped.returncode:
+                raise UsageError(f"tc cannot shape the link to {rate['label']} here: {shaped.stderr.strip()}")
+
+    def prefix(self, host: int) -> list[str]:
+        """What runs a command on `host`: in its namespace, on its core."""
+        return ["ip", "netns", "exec", self.names[host], "taskset", "-c", str(self.cores[host])]
+
+    def sent(self, pids: list[int]) -> list[int]:
+        """The bytes each host has sent so far, read through a process of each (`pids`: one in each namespace)."""
+        return [tx_bytes(pid, interface) for pid, interface in zip(pids, INTERFACES, strict=True)]
+
+
+def host_cores() -> list[int]:
+    """The core of each host: the first two this process may run on (the same one twice on a machine of one)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return [cores[i % len(cores)] for i in (0, 1)]
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def workload(args, steps_per_epoch: int, epochs: int, out: str) -> list[str]:
+    """The flags of every run: the synthetic set cut to `steps_per_epoch` steps of the global batch, one progress line
+    a step (its clock and the counters' reading), no DataLoader workers (the rank's core computes)."""
+    global_batch = 2 * args.batch_size
+    return ["--device", "cpu", "--dataset", "synthetic", "--train-samples", str(steps_per_epoch * global_batch),
+            "--test-samples", str(global_batch), "--batch-size", str(global_batch), "--epochs", str(epochs),
+            "--workers", "0", "--print-freq", "1", "--output-dir", out]
+
+
+def run_on_two_hosts(hosts: TwoHosts, row: benchmark.Row, script_flags: list[str], port: int, limit_s: float):
+    """The row's script on both hosts (torchrun, two nodes of one process), and rank 0's progress lines, each as
+    (arrival time, epoch, step, the bytes each host had sent); the result's stderr is that of a host that failed.
+    Stopped (Ctrl-C, SIGTERM) or past `limit_s`: each launcher gets SIGTERM, which it passes to its rank, and up to
+    60 s to exit (then SIGKILL, to its whole session)."""
+    commands = [hosts.prefix(host) + [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
+                                      f"--node_rank={host}", "--nproc_per_node=1", f"--master_addr={ADDRESSES[0]}",
+                                      f"--master_port={port}", *benchmark.launch_target(row.script)] + script_flags
+                for host in (0, 1)]
+    errors = [tempfile.TemporaryFile("w+") for _ in commands]
+    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
+                              stderr=errors[host], text=True, start_new_session=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": INTERFACES[host]})
+             for host, command in enumerate(commands)]
+    lines = []
+
+    def read_progress():
+        for text in procs[0].stdout:
+            arrived = time.perf_counter()
+            if found := PROGRESS.match(text):
+                with contextlib.suppress(OSError):  # a launcher that has just ended: no reading
+                    lines.append((arrived, int(found[1]), int(found[2]), hosts.sent([p.pid for p in procs])))
+
+    reader = threading.Thread(target=read_progress, daemon=True)
+    reader.start()
+    late = False
+    try:
+        deadline = time.monotonic() + limit_s
+        for proc in procs:
+            proc.wait(max(1.0, deadline - time.monotonic()))
+    except subprocess.TimeoutExpired:
+        late = True
+        stop(procs)
+    except KeyboardInterrupt:
+        stop(procs)
+        raise
+    finally:
+        reader.join(10)
+        if not reader.is_alive():
+            procs[0].stdout.close()
+        said = []
+        for error in errors:
+            error.seek(0)
+            said.append(error.read())
+            error.close()
+    failed = next((host for host, proc in enumerate(procs) if proc.returncode), 0)
+    code = 124 if late else procs[failed].returncode
+    return subprocess.CompletedProcess(commands[0], code, "", said[failed]), lines
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each launcher, which passes it to its rank (the script stops at a step every rank reaches); what
+    still runs after 60 s is killed with its session."""
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError):
+            proc.terminate()
+    deadline = time.monotonic() + 60
+    for proc in procs:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def timed(lines: list, steps_per_epoch: int, after_step: int = 0) -> dict | None:
+    """The median step time and the bytes each host sent per step over the timed steps: those of the second epoch and
+    later after each epoch's first (the first step's time holds the evaluation and checkpoint before it), and after
+    global step `after_step` (the recorded steps of --profile-steps, the last of which writes the traces)."""
+    seconds, sent = [], [0, 0]
+    for (t0, epoch0, step0, sent0), (t1, epoch1, step1, sent1) in itertools.pairwise(lines):
+        if epoch1 >= 2 and epoch1 == epoch0 and step1 == step0 + 1 and \
+                (epoch0 - 1) * steps_per_epoch + step0 >= after_step:
+            seconds.append(t1 - t0)
+            sent = [s + b - a for s, a, b in zip(sent, sent0, sent1, strict=True)]
+    if not seconds:
+        return None
+    return {"step_s": statistics.median(seconds), "steps_timed": len(seconds),
+            "sent_mb": [s / len(seconds) / MB for s in sent]}
+
+
+def collectives_of_step(lanes: list[timeline.Lane], label: str) -> dict:
+    """The collectives of the recorded step `label` ("step 7"): their calls on rank 0 (named as asked, and as gloo ran
+    them where it differs) and the MB each rank sends for them (WIRE_SHARE), and rank 0's backward time."""
+    calls, sent, backward = Counter(), [], 0.0
+    for lane in lanes:
+        start, end, _ = next(s for s in lane.steps if s[2] == label)
+        mine = [c for c in lane.collectives if start <= c.start < end]
+        sent.append(sum(c.size * WIRE_SHARE.get(c.ran, 0.0) for c in mine) / MB)
+        if lane is lanes[0]:
+            calls = Counter(c.asked if c.asked == c.ran else f"{c.asked} (as {c.ran})" for c in mine)
+            backward = timeline._length([(max(s, start), min(e, end)) for s, e in lane.compute.get("backward", [])
+                                         if e > start and s < end]) / 1000
+    return {"calls": dict(sorted(calls.items())), "sent_mb": sent, "backward_s": backward}
+
+
+def measure_row(hosts: TwoHosts, row: benchmark.Row, rate: dict, args, port: int, count: bool) -> dict:
+    """One row at one rate (already shaped): its step time and bytes; with `count`, a third epoch and the collectives
+    of one recorded step (--profile-steps) too."""
+    steps_per_epoch, epochs = args.steps + 1, 3 if count else 2
+    # the recorded steps 3 .. steps_per_epoch + 2: the last is the second epoch's second (PowerSGD compresses there)
+    profiled = steps_per_epoch + 2 if count else 0
+    # generous: five times the compute, twice 100 MB a step over the link, and start-up
+    limit = 300 + steps_per_epoch * epochs * (5 * args.compute_s + 2 * 100 * MB * 8 / (rate["bps"] or 1e10))
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as out:
+        script_flags = workload(args, steps_per_epoch, epochs, out) + row.flags + (
+            ["--profile-steps", str(steps_per_epoch)] if count else [])
+        result, lines = run_on_two_hosts(hosts, row, script_flags, port, limit)
+        if result.returncode:
+            return {"error": f"still running after {limit:.0f} s: stopped" if result.returncode == 124 else
+                    benchmark.why_it_failed(result.stderr)}
+        measured = timed(lines, steps_per_epoch, profiled)
+        if measured is None:
+            return {"error": f"no timed steps among {len(lines)} progress lines"}
+        if count:
+            measured["collectives"] = collectives_of_step(timeline.read_run(Path(out)), f"step {profiled}")
+    # wall_s: the whole run; start_s: until rank 0's first step was done (start-up, rendezvous, the model built)
+    return {**measured, "wall_s": time.perf_counter() - started, "start_s": lines[0][0] - started}
+
+
+def compute_alone(args) -> dict:
+    """The bare step of the per-rank batch, one process pinned on each host's core, both at once: the mean of their
+    times per step (no process group, no communication; the machine's two cores as busy as in the rows)."""
+    command = [sys.executable, "-m", "benchmarks.bare_step", "--device", "cpu", "--batch-size", str(args.batch_size),
+               "--steps", str(max(3, args.steps)), "--warmup", "2"]
+    procs = [subprocess.Popen(["taskset", "-c", str(core), *command], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
+             for core in host_cores()]
+    try:
+        outputs = [proc.communicate()[0] for proc in procs]
+    except KeyboardInterrupt:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+        raise
+    if any(proc.returncode for proc in procs):
+        raise UsageError("the bare step failed; run python -m benchmarks.bare_step --device cpu to see why")
+    rates = [json.loads(out.strip().splitlines()[-1])["images_per_s"] for out in outputs]
+    return {"step_s": statistics.mean(args.batch_size / r for r in rates),
+            "command": shlex.join(["python", *command[1:]])}
+
+
+def balanced_rate(collectives: dict) -> dict | None:
+    """The rate at which the busier host's bytes of a step take as long as rank 0's backward, to 2 digits in Mbit/s."""
+    if not collectives or not collectives["backward_s"]:
+        return None
+    bps = max(collectives["sent_mb"]) * MB * 8 / collectives["backward_s"]
+    mbit = float(f"{bps / 1e6:.2g}")
+    return {"tc": f"{mbit:g}mbit", "bps": mbit * 1e6, "label": rate_label(mbit * 1e6)}
+
+
+def draw_timeline(hosts: TwoHosts, row: benchmark.Row, rate: dict, args, port: int, out: Path) -> dict:
+    """`row` at `rate`: 2 steps of warm-up and 2 recorded (--profile-steps 2), drawn into out/timeline.png."""
+    hosts.shape(rate)
+    with tempfile.TemporaryDirectory() as run_dir:
+        script_flags = workload(args, 4, 1, run_dir) + row.flags + ["--profile-steps", "2"]
+        result, _ = run_on_two_hosts(hosts, row, script_flags, port, 600 + 20 * args.compute_s)
+        if result.returncode:
+            return {"rate": rate["label"], "error": benchmark.why_it_failed(result.stderr)}
+        lanes = timeline.read_run(Path(run_dir))
+    title = f"{row.script} {' '.join(row.flags)}".strip() + f": 2 recorded steps, 2 hosts at {rate['label']}"
+    timeline.draw(lanes, title, out / "timeline.png")
+    return {"rate": rate["label"], "row": row.name, "picture": "timeline.png", "summary": timeline.summary_text(lanes)}
+
+
+def learning_rows(selected: list[benchmark.Row]) -> list[benchmark.Row]:
+    """DDP, DDP with another seed (how far two runs of one method land apart), and each compression selected."""
+    ddp = next(r for r in rows() if r.name == "DDP")
+    other_seed = benchmark.Row("DDP, another seed", ddp.script, "torchrun", ["--seed", "1"], table="network")
+    return [ddp, other_seed] + [r for r in selected if "--comm-hook" in r.flags]
+
+
+def learn(row: benchmark.Row, args) -> dict:
+    """The row on 2 ranks of this machine (torchrun --standalone) for --learning-steps steps on the learnable
+    synthetic set: its last epoch's mean training loss and its test loss and top-1."""
+    epochs = 2 if args.quick else 4
+    per_epoch = max(1, args.learning_steps // epochs)
+    global_batch = 2 * args.batch_size
+    with tempfile.TemporaryDirectory() as out:
+        command = benchmark.launch(row, 2) + [
+            "--device", "cpu", "--dataset", "synthetic", "--train-samples", str(per_epoch * global_batch),
+            "--test-samples", "256", "--batch-size", str(global_batch), "--epochs", str(epochs), "--lr", "0.05",
+            "--no-augment", "--workers", "0", "--print-freq", "1000000", "--output-dir", out] + row.flags
+        result = benchmark.run_stoppable(command, benchmark.threads_env(2))
+        if result.returncode:
+            return {"name": row.name, "flags": row.flags, "error": benchmark.why_it_failed(result.stderr)}
+        last = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][-1]
+    return {"name": row.name, "flags": row.flags, "steps": per_epoch * epochs, "train_loss": last["train_loss"],
+            "test_loss": last["test_loss"], "top1": last["top1"]}
+
+
+def rows_named(only: list[str] | None) -> list[benchmark.Row] | str:
+    """The rows that the texts of --only name (comma-separated, any case: a whole name that row alone, else every
+    row whose name contains it), in their order; or why a text names none."""
+    every = rows()
+    if not only:
+        return every
+    wanted = set()
+    for text in (t.strip().lower() for value in only for t in value.split(",") if t.strip()):
+        named = [r.name for r in every if r.name.lower() == text] or [r.name for r in every if text in r.name.lower()]
+        if not named:
+            return f"--only {text!r} matches no row (the rows: {'; '.join(r.name for r in every)})"
+        wanted.update(named)
+    return [r for r in every if r.name in wanted]
+
+
+def machine_folder() -> str:
+    """The full run's results folder: benchmarks/results/cpu-<processor's family>-network."""
+    name = benchmark.hardware("cpu", 2).lower()
+    family = next((word for word in ("epyc", "xeon", "ryzen", "core", "graviton", "neoverse") if word in name),
+                  os.uname().machine)
+    return f"benchmarks/results/cpu-{family}-network"
+
+
+# ---- the tables and the picture ----
+
+def measured(results: dict) -> dict:
+    """{(row name, rate label): its measurement} of the runs that succeeded."""
+    return {(r["row"], r["rate"]): r for r in results["runs"] if "step_s" in r}
+
+
+def floor_s(results: dict, run: dict, rate: dict) -> float:
+    """max(compute alone, the busier host's bytes per step / rate): the step time the link allows."""
+    alone = results["meta"]["compute_alone"]["step_s"]
+    return max(alone, max(run["sent_mb"]) * MB * 8 / rate["bps"]) if rate["bps"] else alone
+
+
+def markdown(results: dict, pictures: str = "") -> str:
+    """The run's tables; `pictures`: the folder of its pictures, relative to where the text goes."""
+    meta = results["meta"]
+    alone = meta["compute_alone"]["step_s"]
+    drift = (f", the mean of {meta['compute_alone']['before']:.2f} before the rows and "
+             f"{meta['compute_alone']['after']:.2f} after" if "after" in meta["compute_alone"] else "")
+    lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`, at commit {meta['commit']}.",
+             f"Two hosts: network namespaces joined by a veth pair, one rank each, pinned to a core of its own "
+             f"(taskset), one thread; the link held to each rate in both directions by tc's tbf. Per-rank batch "
+             f"{meta['batch_size']}, float32, synthetic data; each run 2 epochs of {meta['steps'] + 1} steps, the "
+             f"first warm-up. Step time: the median of the second epoch's steps after its first, each the time "
+             f"between two of rank 0's progress lines (the step's forward, backward, the communication it waits for "
+             f"and the optimizer's step; no evaluation, no start-up). Sent: each host's interface counters over "
+             f"those steps. Compute alone: {alone:.2f} s per step{drift} (`{meta['compute_alone']['command']}`, one "
+             f"pinned process per core, both at once, no communication). Floor: max(compute alone, the busier host's "
+             f"bytes per step / rate).", ""]
+    if meta.get("unfinished"):
+        lines += [f"**Unfinished:** {meta['unfinished']}", ""]
+    lines += ladder_table(results) + bytes_table(results) + goals(results) + learning_table(results)
+    for rate in meta["rates"]:
+        lines += rate_table(results, rate)
+    if results.get("timeline"):
+        t = results["timeline"]
+        lines += ["### A DDP step where communication takes as long as the backward", "",
+                  f"{t['row']} at {t['rate']}: {t.get('summary') or t.get('error')}.", ""]
+        if "picture" in t:
+            lines += [f"![{t['row']} at {t['rate']}]({pictures}{t['picture']})", ""]
+    if any(measured(results)):
+        lines += [f"![step time against link rate]({pictures}network.png)", ""]
+    return "\n".join(lines)
+
+
+def cell(results: dict, name: str, rate: dict) -> str:
+    run = next((r for r in results["runs"] if r["row"] == name and r["rate"] == rate["label"]), None)
+    if run is None:
+        return ""
+    if "step_s" not in run:
+        return f"failed: {run['error']}"
+    return f"{run['step_s']:.2f} ({run['step_s'] / floor_s(results, run, rate):.2f}x)"
+
+
+def ladder_table(results: dict) -> list[str]:
+    """Step time (s) of each strategy at each rate, with step / floor."""
+    rates = results["meta"]["rates"]
+    lines = ["### Step time against link rate (s per step, and step / floor)", "",
+             "| strategy | " + " | ".join(r["label"] for r in rates) + " |", "|---|" + "---|" * len(rates)]
+    for name in results["meta"]["rows"]:
+        lines.append(f"| {name} | " + " | ".join(cell(results, name, r) for r in rates) + " |")
+    return lines + [""]
+
+
+def bytes_table(results: dict) -> list[str]:
+    """Each strategy's bytes per step: the collectives of one recorded step beside the interface counters."""
+    done = measured(results)
+    lines = ["### Bytes per step: the collectives beside the interface counters", "",
+             "| strategy | collectives of one step (rank 0) | MB sent, host 0 / host 1, from the collectives "
+             "| MB sent, host 0 / host 1, from the counters (median over the rates) | counters / collectives, both "
+             "hosts (and their difference) |", "|---|---|---|---|---|"]
+    for name in results["meta"]["rows"]:
+        counted = results["collectives"].get(name)
+        runs = [r for (row, _), r in done.items() if row == name]
+        if not counted and not runs:
+            continue
+        calls = ", ".join(f"{n} {what}" for what, n in counted["calls"].items()) if counted else ""
+        ours = " / ".join(f"{mb:.1f}" for mb in counted["sent_mb"]) if counted else ""
+        wire = [statistics.median(r["sent_mb"][h] for r in runs) for h in (0, 1)] if runs else None
+        theirs = " / ".join(f"{mb:.1f}" for mb in wire) if wire else ""
+        apart = agreement(results, name)  # and the difference, both hosts, in MB
+        ratio = f"{apart:.3f} ({(apart - 1) * sum(counted['sent_mb']):+.2f} MB)" if apart is not None else ""
+        lines.append(f"| {name} | {calls} | {ours} | {theirs} | {ratio} |")
+    return lines + [""]
+
+
+def rate_table(results: dict, rate: dict) -> list[str]:
+    """Every row at one rate, with its bytes, compute alone and floor."""
+    alone = results["meta"]["compute_alone"]["step_s"]
+    lines = [f"### At {rate['label']}", "",
+             "| strategy | script + flags | step s | MB sent per step, host 0 / host 1 (counters) | counters / "
+             "collectives | compute alone s | floor s | step / floor |", "|---|---|---|---|---|---|---|---|"]
+    scripts = {r.name: benchmark.script_and_flags({"script": r.script, "flags": r.flags}) for r in rows()}
+    for run in (r for r in results["runs"] if r["rate"] == rate["label"]):
+        what = f"`{scripts.get(run['row'], '')}`"
+        if "step_s" not in run:
+            lines.append(f"| {run['row']} | {what} | failed: {run['error']} | | | | | |")
+            continue
+        counted = results["collectives"].get(run["row"])
+        ratio = f"{sum(run['sent_mb']) / sum(counted['sent_mb']):.3f}" if counted and sum(counted["sent_mb"]) else ""
+        floor = floor_s(results, run, rate)
+        lines.append(f"| {run['row']} | {what} | {run['step_s']:.2f} | "
+                     f"{' / '.join(f'{mb:.1f}' for mb in run['sent_mb'])} | {ratio} | {alone:.2f} | {floor:.2f} | "
+                     f"{run['step_s'] / floor:.2f} |")
+    return lines + [""]
+
+
+def goals(results: dict) -> list[str]:
+    """The issue's figures, each as measured: DDP against its floor at 300 Mbit/s and up, the one bucket beside it;
+    at 100 Mbit/s and below fp16 against DDP and PowerSGD against compute alone; where each row crosses DDP."""
+    done, rates = measured(results), results["meta"]["rates"]
+    alone = results["meta"]["compute_alone"]["step_s"]
+
+    def ratio(name, rate):
+        run = done.get((name, rate["label"]))
+        return run["step_s"] / floor_s(results, run, rate) if run else None
+
+    def listed(name, figures):
+        said = [f"{rate['label']} {value:.2f}x" for rate, value in figures if value is not None]
+        return f"{name}: " + (", ".join(said) if said else "not measured")
+
+    fast = [r for r in rates if not r["bps"] or r["bps"] >= 300e6]
+    slow = [r for r in rates if r["bps"] and r["bps"] <= 100e6]
+    ddp = [(r, ratio("DDP", r)) for r in fast]
+    met = [v for _, v in ddp if v is not None]
+    lines = ["### The goals, as measured", "",
+             f"- DDP within 1.15x of its floor at 300 Mbit/s and up: {listed('step / floor', ddp)}" +
+             (f" ({'met' if max(met) <= 1.15 else 'not met'})." if met else "."),
+             f"- Its one bucket after the backward (no overlap) at those rates: "
+             f"{listed('step / floor', [(r, ratio('DDP, one bucket after the backward', r)) for r in fast])}."]
+    for rate in slow:
+        plain, fp16 = done.get(("DDP", rate["label"])), done.get(("DDP + fp16 compression", rate["label"]))
+        power = done.get(("DDP + PowerSGD (rank 2)", rate["label"]))
+        if plain and fp16:
+            speedup = plain["step_s"] / fp16["step_s"]
+            lines.append(f"- At {rate['label']}, fp16 compression {speedup:.2f}x faster than DDP (goal 1.8x: "
+                         f"{'met' if speedup >= 1.8 else 'not met'}).")
+        if power:
+            lines.append(f"- At {rate['label']}, PowerSGD {power['step_s'] / alone:.2f}x compute alone (goal 1.3x: "
+                         f"{'met' if power['step_s'] / alone <= 1.3 else 'not met'}).")
+    apart = {name: agreement(results, name) for name in results["meta"]["rows"]}
+    off = [f"{name} {ratio:.2f}" for name, ratio in apart.items() if ratio is not None and abs(ratio - 1) > 0.1]
+    if any(ratio is not None for ratio in apart.values()):
+        lines.append("- The counters and the collectives within 10% of each other: " +
+                     (f"not for {', '.join(off)} (counters / collectives)." if off else "every row."))
+    for name in results["meta"]["rows"]:
+        if name != "DDP" and (crossing := crossover(done, name, rates)):
+            lines.append(f"- {name}: {crossing}.")
+    return lines + [""]
+
+
+def agreement(results: dict, name: str) -> float | None:
+    """The row's bytes per step from the counters (both hosts, the median over the rates) over those of its
+    collectives; None where either is missing."""
+    counted = results["collectives"].get(name)
+    wire = [sum(r["sent_mb"]) for r in results["runs"] if r["row"] == name and "sent_mb" in r]
+    if not counted or not wire or not sum(counted["sent_mb"]):
+        return None
+    return statistics.median(wire) / sum(counted["sent_mb"])
+
+
+def crossover(done: dict, name: str, rates: list[dict]) -> str | None:
+    """Where `name` crosses DDP, from the fastest rate to the slowest: faster or slower than DDP at each rate."""
+    faster = [(r["label"], done[(name, r["label"])]["step_s"] < done[("DDP", r["label"])]["step_s"]) for r in rates
+              if (name, r["label"]) in done and ("DDP", r["label"]) in done]
+    if not faster:
+        return None
+    if all(f for _, f in faster) or not any(f for _, f in faster):
+        return f"{'faster' if faster[0][1] else 'slower'} than DDP at every rate measured"
+    changes = [(a, b) for (a, fa), (b, fb) in itertools.pairwise(faster) if fa != fb]
+    if len(changes) == 1:
+        (above, below), first = changes[0], faster[0][1]
+        return (f"{'faster' if first else 'slower'} than DDP down to {above}, {'slower' if first else 'faster'} from "
+                f"{below} down (it crosses between the two)")
+    return "faster than DDP at " + ", ".join(label for label, f in faster if f) + ", slower at the others"
+
+
+def learning_table(results: dict) -> list[str]:
+    if not results.get("learning"):
+        return []
+    base = next((r for r in results["learning"] if r["name"] == "DDP" and "train_loss" in r), None)
+    lines = ["### What compression costs in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
+             "| row | flags | steps | training loss, last epoch | test loss | top-1 % | training loss - DDP's |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results["learning"]:
+        flags_text = f"`{' '.join(r['flags'])}`" if r["flags"] else ""
+        if "train_loss" not in r:
+            lines.append(f"| {r['name']} | {flags_text} | failed: {r['error']} | | | | |")
+            continue
+        versus = f"{r['train_loss'] - base['train_loss']:+.4f}" if base else ""
+        lines.append(f"| {r['name']} | {flags_text} | {r['steps']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} "
+                     f"| {r['top1']:.1f} | {versus} |")
+    return lines + ["", "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces "
+                    "in full through the first epoch and compresses from the second. \"DDP, another seed\" is how far "
+                    "two runs of the same method land apart: a compression's difference within it is noise.", ""]
+
+
+def chart(results: dict, path: Path) -> None:
+    """Step time against link rate (a log axis), a line per strategy, DDP's floor and compute alone drawn."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rates, done = results["meta"]["rates"], measured(results)
+    shaped = [r["bps"] for r in rates if r["bps"]]
+    unshaped_x = 3 * max(shaped, default=1e9)  # where "unshaped" stands on the axis
+    x = {r["label"]: r["bps"] or unshaped_x for r in rates}
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for name in results["meta"]["rows"]:
+        points = sorted((x[label], run["step_s"]) for (row, label), run in done.items() if row == name)
+        if points:
+            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+    alone = results["meta"]["compute_alone"]["step_s"]
+    sent = [max(run["sent_mb"]) for (row, _), run in done.items() if row == "DDP"]
+    if sent and shaped:  # DDP's floor as a curve: its median bytes per step over the rates, then compute alone
+        grid = [min(shaped) * (unshaped_x / min(shaped)) ** (i / 100) for i in range(101)]
+        bits = statistics.median(sent) * MB * 8
+        ax.plot(grid, [alone if g > max(shaped) else max(alone, bits / g) for g in grid], color="black",
+                linestyle="--", label="DDP's floor: max(compute alone, bytes / rate)")
+    ax.axhline(alone, color="grey", linestyle=":", label="compute alone")
+    ax.set_xscale("log")
+    ax.set_ylim(bottom=0)
+    ax.set_xticks([x[r["label"]] for r in rates], [r["label"] for r in rates], fontsize=8)
+    ax.minorticks_off()
+    ax.set_xlabel("link rate (both directions)")
+    ax.set_ylabel("s per step (median; lower is better)")
+    ax.set_title(f"{results['meta']['hardware']}; per-rank batch {results['meta']['batch_size']}", fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def write(results: dict, out: Path, doc: Path | None = None) -> None:
+    """network.json and network.md, each replaced whole (written beside, then renamed over); with `doc`, the page's
+    part between its two DOC_MARKS replaced by the tables too."""
+    benchmark.write_whole(out, {"network.json": json.dumps(results, indent=1), "network.md": markdown(results)})
+    if doc:
+        fill_doc(doc, results, out)
+
+
+DOC_MARKS = ("<!-- the figures of python -m benchmarks.network: begin -->",
+             "<!-- the figures of python -m benchmarks.network: end -->")
+
+
+def fill_doc(doc: Path, results: dict, out: Path) -> None:
+    """The tables between the page's DOC_MARKS, with the pictures linked from the page's folder."""
+    text = doc.read_text()
+    head, _, rest = text.partition(DOC_MARKS[0])
+    _, _, tail = rest.partition(DOC_MARKS[1])
+    pictures = os.path.relpath(out, doc.parent) + "/"
+    doc.write_text(f"{head}{DOC_MARKS[0]}\n{markdown(results, pictures)}\n{DOC_MARKS[1]}{tail}")
+
+
+def check_doc(doc: str | None) -> Path | None:
+    """--doc's page, which must hold both DOC_MARKS (checked before anything runs)."""
+    if doc is None:
+        return None
+    page = Path(doc)
+    if not page.is_file() or not all(mark in page.read_text() for mark in DOC_MARKS):
+        raise UsageError(f"--doc {doc}: not a page holding the two lines {DOC_MARKS[0]!r} and {DOC_MARKS[1]!r}")
+    return page
+
+
+def parse_args(argv=None):
+    parser = flags.Parser(prog="python -m benchmarks.network", description=__doc__.splitlines()[0],
+                          formatter_class=flags.HelpFormatter)
+    parser.add_argument("--quick", action="store_true",
+                        help=f"2 rates ({QUICK_RATES}), 2 timed steps a row, per-rank batch 8, 8 learning steps: "
+                             "under 10 minutes on 2 cores")
+    parser.add_argument("--rates", default=None,
+                        help=f"comma-separated link rates as tc writes them, or unshaped (default: {RATES}; "
+                             f"with --quick {QUICK_RATES})")
+    parser.add_argument("--only", action="append", default=None, metavar="ROWS",
+                        help="only the rows whose name contains one of these comma-separated texts (any case; "
+                             "repeatable): DDP, one bucket, fp16, bf16, PowerSGD, accumulation, ZeRO, FSDP, HSDP, "
+                             "Pipeline")
+    parser.add_argument("--steps", type=flags.positive_int, default=None,
+                        help="timed steps per row and rate (default: 4; 2 with --quick)")
+    parser.add_argument("--batch-size", type=flags.positive_int, default=None,
+                        help="per-rank batch, divisible by 4 (default: 32, the CPU benchmark's; 8 with --quick)")
+    parser.add_argument("--learning-steps", type=flags.non_negative_int, default=None,
+                        help="steps of the learning comparison (default: 48; 8 with --quick); 0: none")
+    parser.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
+                        help=f"draw a --profile-steps timeline of {TIMELINE_ROW} at the rate where its bytes take as "
+                             "long as its backward")
+    parser.add_argument("--output-dir", default=None,
+                        help="where network.md, .json and .png go (default: runs/network with --quick, else "
+                             f"{machine_folder()}, the folder of this machine's results)")
+    parser.add_argument("--doc", default=None, metavar="PAGE",
+                        help="also put the tables into this page, between its two marker lines (docs/network.md)")
+    args = parser.parse_args(argv)
+    args.rates = parse_rates(args.rates or (QUICK_RATES if args.quick else RATES))
+    if isinstance(args.rates, str):
+        parser.error(args.rates)
+    args.steps = args.steps or (2 if args.quick else 4)
+    args.batch_size = args.batch_size or (8 if args.quick else 32)
+    if args.batch_size % 4:
+        parser.error("--batch-size must be divisible by 4 (accumulation's 4 micro-batches, the pipeline's 4)")
+    args.learning_steps = args.learning_steps if args.learning_steps is not None else (8 if args.quick else 48)
+    args.output_dir = args.output_dir or ("runs/network" if args.quick else machine_folder())
+    args.selected = rows_named(args.only)
+    if isinstance(args.selected, str):
+        parser.error(args.selected)
+    if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
+        parser.error(f"--output-dir {args.output_dir} is a file")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    with exit_on_error():
+        doc = check_doc(args.doc)
+        with TwoHosts():  # root and namespaces, checked before anything runs (made and removed at once)
+            pass
+        measure(args, doc, shlex.join(["python", "-m", "benchmarks.network",
+                                       *(sys.argv[1:] if argv is None else argv)]))
+
+
+def measure(args, doc: Path | None, command: str) -> None:
+    out = Path(args.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    hardware = benchmark.hardware("cpu", 2)
+    meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
+            "torch": torch.__version__, "command": command, "commit": git_commit(), "batch_size": args.batch_size,
+            "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected]}
+    results = {"meta": meta, "runs": [], "collectives": {}, "learning": [], "timeline": None}
+    learners = learning_rows(args.selected) if args.learning_steps else []
+    ddp = next((r for r in args.selected if r.name == TIMELINE_ROW), None)
+    stages = 2 + len(args.rates) * len(args.selected) + bool(args.timeline and ddp) + len(learners)
+    started, finished, port = time.perf_counter(), [0], [29600]
+
+    def done(text: str) -> None:
+        finished[0] += 1
+        left = (time.perf_counter() - started) / finished[0] * (stages - finished[0])
+        eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
+        print(f"[{finished[0]}/{stages}] {text}{eta}", flush=True)
+
+    def next_port() -> int:  # a fresh one each run: the last run's may still be in TIME_WAIT
+        port[0] += 1
+        return port[0]
+
+    print(f"{meta['hardware']}; {len(args.selected)} rows at {len(args.rates)} rates; writing {out}", flush=True)
+    try:
+        with benchmark.stopped_as_ctrl_c(), TwoHosts() as hosts:
+            meta["compute_alone"] = compute_alone(args)
+            args.compute_s = meta["compute_alone"]["step_s"]
+            done(f"compute alone: {args.compute_s:.2f} s per step of {args.batch_size} images")
+            for i, rate in enumerate(args.rates):
+                hosts.shape(rate)
+                for row in args.selected:
+                    result = measure_row(hosts, row, rate, args, next_port(), count=i == 0)
+                    if "collectives" in result:
+                        results["collectives"][row.name] = result.pop("collectives")
+                    results["runs"].append({"row": row.name, "rate": rate["label"], **result})
+                    meta["unfinished"] = (f"{len(results['runs'])} of {len(args.rates) * len(args.selected)} runs "
+                                          "measured when this was written; the run did not finish.")
+                    write(results, out)
+                    done(f"{rate['label']}, {row.name}: " + (
+                        f"{result['step_s']:.2f} s per step, "
+                        f"{' / '.join(f'{mb:.1f}' for mb in result['sent_mb'])} MB sent per host "
+                        f"({result['wall_s']:.0f} s)" if "step_s" in result else f"failed: {result['error']}"))
+            # compute alone again after the rows, so that the machine's drift during them shows; the floor: their mean
+            after = compute_alone(args)["step_s"]
+            before = meta["compute_alone"]["step_s"]
+            meta["compute_alone"].update(step_s=(before + after) / 2, before=before, after=after)
+            done(f"compute alone again: {after:.2f} s per step")
+            if args.timeline and ddp and (rate := balanced_rate(results["collectives"].get(ddp.name))):
+                results["timeline"] = draw_timeline(hosts, ddp, rate, args, next_port(), out)
+                write(results, out)
+                done(f"timeline of {ddp.name} at {rate['label']}: " +
+                     results["timeline"].get("summary", results["timeline"].get("error", "")))
+        for row in learners:
+            results["learning"].append(learn(row, args))
+            write(results, out)
+            r = results["learning"][-1]
+            done(f"learning, {row.name}: " + (f"training loss {r['train_loss']:.4f} after {r['steps']} steps"
+                                              if "train_loss" in r else f"failed: {r['error']}"))
+    except KeyboardInterrupt as stopped:
+        signum, how = benchmark.which_stop(stopped)
+        print(f"stopped by {how} after {len(results['runs'])} of {len(args.rates) * len(args.selected)} runs: "
+              f"{out / 'network.md'} has the rows measured"
+              if results["runs"] else f"stopped by {how} before any row was measured", file=sys.stderr, flush=True)
+        sys.exit(128 + signum)
+    meta.pop("unfinished", None)
+    write(results, out, doc)
+    if measured(results):
+        chart(results, out / "network.png")
+    print(markdown(results))
+    print(f"wrote {out / 'network.md'}, {out / 'network.json'}" + (f", {out / 'network.png'}" if measured(results)
+                                                                   else "") + (f" and {doc}" if doc else ""))
+    if any("error" in r for r in results["runs"] + results["learning"]):
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
