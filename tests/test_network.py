@@ -1,0 +1,176 @@
+"""python -m benchmarks.network: its input refused in one line, its tables made from its results, and (slow, as root)
+a small run on two hosts whose interface counters agree with its collectives, stopped or not, leaving nothing
+behind: no network namespace, no qdisc, no process."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from script_runs import ROOT, run_main, subprocess_env
+
+from benchmarks import network
+from utils.errors import UsageError
+
+# one row, per-rank batch 8, 2 timed steps a rate, no learning runs: the path of every row at a fraction of the time
+SMALL = ["--only", "DDP", "--batch-size", "8", "--steps", "2", "--learning-steps", "0"]
+
+
+def test_without_root_it_says_so_in_one_line(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    out = tmp_path / "out"
+    result = run_main(network.main, ["--quick", "--output-dir", str(out)], capsys)
+    assert result.returncode == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "need root" in result.stderr, result.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("argv, said", [(["--rates", "fast"], "is not a rate"),
+                                        (["--rates", "100mbit,100Mbit"], "names a rate twice"),
+                                        (["--only", "DiLoCo"], "matches no row"),
+                                        (["--batch-size", "6"], "divisible by 4")])
+def test_bad_input_is_one_line_and_writes_nothing(argv, said, tmp_path, capsys):
+    out = tmp_path / "out"
+    result = run_main(network.main, [*argv, "--output-dir", str(out)], capsys)
+    assert result.returncode == 2 and said in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_rates_go_fastest_first_and_only_names_rows():
+    assert [r["label"] for r in network.parse_rates("30mbit,unshaped,1gbit")] == ["unshaped", "1 Gbit/s",
+                                                                                 "30 Mbit/s"]
+    assert [r.name for r in network.rows_named(["DDP"])] == ["DDP"]  # a whole name: that row alone
+    assert [r.name for r in network.rows_named(["fp16,powersgd"])] == ["DDP + fp16 compression",
+                                                                        "DDP + PowerSGD (rank 2)"]
+
+
+def test_timed_steps_are_the_second_epochs_after_its_first_and_after_the_recorded_ones():
+    # (arrival, epoch, step, bytes each host had sent): 3 steps an epoch; step 2 of epoch 2 is global step 5
+    lines = [(t, e, s, [100 * t, 200 * t]) for t, (e, s) in enumerate([(1, 1), (1, 2), (1, 3), (2, 1), (2, 2),
+                                                                       (2, 3), (3, 1), (3, 2), (3, 3)])]
+    assert network.timed(lines, 3) == {"step_s": 1, "steps_timed": 4, "sent_mb": [100 / 2**20, 200 / 2**20]}
+    assert network.timed(lines, 3, after_step=5)["steps_timed"] == 3  # 5 -> 6, then epoch 3's two
+    assert network.timed(lines[:4], 3) is None
+
+
+def fake_results() -> dict:
+    rates = network.parse_rates("unshaped,300mbit,100mbit")
+    runs = []
+    for rate, ddp, fp16 in zip(rates, (1.0, 1.3, 3.6), (1.1, 1.05, 1.9), strict=True):
+        runs += [{"row": "DDP", "rate": rate["label"], "step_s": ddp, "steps_timed": 2, "sent_mb": [43.0, 43.1]},
+                 {"row": "DDP + fp16 compression", "rate": rate["label"], "step_s": fp16, "steps_timed": 2,
+                  "sent_mb": [21.6, 21.5]}]
+    return {"meta": {"hardware": "2 cores of a CPU", "command": "python -m benchmarks.network", "commit": "abc1234",
+                     "batch_size": 32, "steps": 4, "rates": rates, "rows": ["DDP", "DDP + fp16 compression"],
+                     "compute_alone": {"step_s": 1.0, "command": "python -m benchmarks.bare_step"}},
+            "runs": runs, "learning": [], "timeline": None,
+            "collectives": {"DDP": {"calls": {"all_reduce": 45}, "sent_mb": [42.9, 42.9], "backward_s": 0.6}}}
+
+
+def test_the_tables_come_from_the_results(tmp_path):
+    text = network.markdown(fake_results())
+    assert "| DDP | 1.00 (1.00x) | 1.30 (1.08x) | 3.60 (1.00x) |" in text  # floors: 1.0, 43.1 MB / rate
+    assert "| DDP | 45 all_reduce | 42.9 / 42.9 | 43.0 / 43.1 | 1.003 (+0.30 MB) |" in text
+    assert "The counters and the collectives within 10% of each other: every row." in text
+    assert "fp16 compression 1.89x faster than DDP (goal 1.8x: met)" in text
+    assert "slower than DDP down to unshaped, faster from 300 Mbit/s down" in text
+    network.chart(fake_results(), tmp_path / "network.png")
+    assert (tmp_path / "network.png").stat().st_size > 0
+
+
+def test_the_doc_gets_the_tables_between_its_marks(tmp_path):
+    page = tmp_path / "docs" / "network.md"
+    page.parent.mkdir()
+    page.write_text((ROOT / "docs" / "network.md").read_text())
+    network.fill_doc(page, fake_results(), tmp_path / "results")
+    text = page.read_text()
+    assert text.count(network.DOC_MARKS[0]) == 1 and "| DDP | 1.00 (1.00x)" in text and "Not measured yet" not in text
+    assert text.endswith((ROOT / "docs" / "network.md").read_text().split(network.DOC_MARKS[1])[1])
+    with pytest.raises(UsageError):
+        network.check_doc(str(ROOT / "README.md"))
+
+
+@pytest.fixture
+def two_hosts_possible():
+    """Skips without root, iproute2, tc or taskset, or where network namespaces cannot be made (a container)."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "tc", "taskset")):
+        pytest.skip("two hosts need root, iproute2 and taskset")
+    try:
+        with network.TwoHosts("ddp-network-probe"):
+            pass
+    except UsageError as error:
+        pytest.skip(str(error))
+
+
+def start(argv: list[str], tmp_path: Path) -> subprocess.Popen:
+    """The benchmark in a session of its own, its temporary files (the ranks' output folders) under tmp_path."""
+    (tmp_path / "tmp").mkdir()
+    return subprocess.Popen([sys.executable, "-m", "benchmarks.network", *argv, "--output-dir", str(tmp_path / "out")],
+                            cwd=ROOT, env=subprocess_env(TMPDIR=str(tmp_path / "tmp")), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def assert_nothing_left(pid: int, tmp_path: Path) -> None:
+    """No namespace of the benchmark's (named for its pid), so no link or qdisc of it, and no process of its runs."""
+    names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert f"ddp-network-{pid}-" not in names, names
+    ours = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(tmp_path).encode() in (entry / "cmdline").read_bytes():
+                ours.append(entry.name)
+        except OSError:
+            pass
+    assert not ours, ours
+
+
+def agreement(results: dict, rate: str) -> float:
+    run = next(r for r in results["runs"] if r["rate"] == rate)
+    return sum(run["sent_mb"]) / sum(results["collectives"]["DDP"]["sent_mb"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_two_hosts_counters_agree_with_the_collectives_and_nothing_is_left(two_hosts_possible, tmp_path):
+    proc = start([*SMALL, "--rates", "unshaped,200mbit"], tmp_path)
+    try:
+        stdout, stderr = proc.communicate(timeout=420)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, stdout[-3000:] + stderr[-3000:]
+    out = tmp_path / "out"
+    results = json.loads((out / "network.json").read_text())
+    assert [r["rate"] for r in results["runs"]] == ["unshaped", "200 Mbit/s"] and "unfinished" not in results["meta"]
+    for rate in ("unshaped", "200 Mbit/s"):
+        assert 0.9 <= agreement(results, rate) <= 1.1, (rate, results)
+    shaped = results["runs"][1]
+    assert shaped["step_s"] >= 0.9 * max(shaped["sent_mb"]) * 2**20 * 8 / 200e6, shaped  # the link held to its rate
+    assert (out / "network.png").is_file() and (out / "timeline.png").is_file()
+    assert "### Bytes per step" in (out / "network.md").read_text()
+    assert_nothing_left(proc.pid, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_ctrl_c_keeps_the_rows_measured_and_leaves_nothing(two_hosts_possible, tmp_path):
+    proc = start([*SMALL, "--rates", "unshaped,30mbit", "--no-timeline"], tmp_path)
+    try:
+        for line in proc.stdout:  # [1/5] compute alone, [2/5] the unshaped row: then stopped during the next
+            if line.startswith("[2/"):
+                break
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the benchmark (its launchers have sessions of their own)
+        stdout, stderr = proc.communicate(timeout=180)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
+    assert stderr.strip().splitlines()[-1].startswith("stopped by Ctrl-C after 1 of 2 runs"), stderr[-3000:]
+    results = json.loads((tmp_path / "out" / "network.json").read_text())
+    assert len(results["runs"]) == 1 and "unfinished" in results["meta"]
+    assert 0.9 <= agreement(results, "unshaped") <= 1.1, results
+    assert "**Unfinished:**" in (tmp_path / "out" / "network.md").read_text()
+    assert_nothing_left(proc.pid, tmp_path)
