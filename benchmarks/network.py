@@ -72,16 +72,16 @@ TIMELINE_ROW = "DDP"  # the row drawn at the rate where its communication takes 
 
 def rows() -> list[benchmark.Row]:
     """The strategies, each a script with its own flags, as benchmarks.run's rows run them."""
-    def row(name, script, *extra):
-        return benchmark.Row(name, script, "torchrun", list(extra), table="network")
+    def row(name, script, *extra, full_only=False):  # full_only: left out of --quick (another flag of a path in it)
+        return benchmark.Row(name, script, "torchrun", list(extra), table="network", full_only=full_only)
     return [
         row("DDP", "distributed.py"),
         # one bucket for all 43 MB of gradients (the first bucket too, once the size is given): DDP starts a bucket's
         # all-reduce when its last gradient is ready, so this one starts when the backward ends: no overlap
         row("DDP, one bucket after the backward", "distributed.py", "--bucket-cap-mb", "64"),
-        row("DDP, no SyncBatchNorm", "distributed.py", "--no-sync-bn"),
+        row("DDP, no SyncBatchNorm", "distributed.py", "--no-sync-bn", full_only=True),
         row("DDP + fp16 compression", "distributed.py", "--comm-hook", "fp16"),
-        row("DDP + bf16 compression", "distributed.py", "--comm-hook", "bf16"),
+        row("DDP + bf16 compression", "distributed.py", "--comm-hook", "bf16", full_only=True),
         row("DDP + PowerSGD (rank 2)", "distributed.py", "--comm-hook", "powersgd"),
         row("gradient accumulation (k=4)", "distributed_gradient_accumulation.py", "--grad-accu-steps", "4"),
         row("ZeRO-1", "distributed_zero.py"),
@@ -456,6 +456,8 @@ def markdown(results: dict, pictures: str = "") -> str:
              f"bytes per step / rate).", ""]
     if meta.get("unfinished"):
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
+    if meta.get("left_out"):
+        lines += [meta["left_out"] + ".", ""]
     lines += ladder_table(results) + bytes_table(results) + goals(results) + learning_table(results)
     for rate in meta["rates"]:
         lines += rate_table(results, rate)
@@ -633,17 +635,19 @@ def chart(results: dict, path: Path) -> None:
     unshaped_x = 3 * max(shaped, default=1e9)  # where "unshaped" stands on the axis
     x = {r["label"]: r["bps"] or unshaped_x for r in rates}
     fig, ax = plt.subplots(figsize=(9, 5.5))
-    for name in results["meta"]["rows"]:
+    colours = plt.get_cmap("tab20").colors  # a colour and a marker a row: more rows than tab10 has colours
+    for i, name in enumerate(results["meta"]["rows"]):
         points = sorted((x[label], run["step_s"]) for (row, label), run in done.items() if row == name)
         if points:
-            ax.plot(*zip(*points, strict=True), marker="o", label=name)
+            ax.plot(*zip(*points, strict=True), marker="osD^v<>ph*X"[i % 11], color=colours[2 * i % 20 + i // 10],
+                    label=name)
     alone = results["meta"]["compute_alone"]["step_s"]
     sent = [max(run["sent_mb"]) for (row, _), run in done.items() if row == "DDP"]
-    if sent and shaped:  # DDP's floor as a curve: its median bytes per step over the rates, then compute alone
-        grid = [min(shaped) * (unshaped_x / min(shaped)) ** (i / 100) for i in range(101)]
+    if sent and shaped:  # DDP's floor as a curve of the rate, its bytes the median over the rates
+        grid = [min(shaped) / 1.5 * (1.5 * unshaped_x / min(shaped)) ** (i / 200) for i in range(201)]
         bits = statistics.median(sent) * MB * 8
-        ax.plot(grid, [alone if g > max(shaped) else max(alone, bits / g) for g in grid], color="black",
-                linestyle="--", label="DDP's floor: max(compute alone, bytes / rate)")
+        ax.plot(grid, [max(alone, bits / g) for g in grid], color="black", linestyle="--",
+                label="DDP's floor: max(compute alone, bytes / rate)")
     ax.axhline(alone, color="grey", linestyle=":", label="compute alone")
     ax.set_xscale("log")
     ax.set_ylim(bottom=0)
@@ -693,8 +697,9 @@ def parse_args(argv=None):
     parser = flags.Parser(prog="python -m benchmarks.network", description=__doc__.splitlines()[0],
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help=f"2 rates ({QUICK_RATES}), 2 timed steps a row, per-rank batch 8, 8 learning steps: "
-                             "under 10 minutes on 2 cores")
+                        help=f"2 rates ({QUICK_RATES}), 2 timed steps a row, per-rank batch 8, 8 learning steps, "
+                             "and without --only not the rows that change one flag of a path it runs (bf16 "
+                             "compression, no SyncBatchNorm): under 10 minutes on 2 cores")
     parser.add_argument("--rates", default=None,
                         help=f"comma-separated link rates as tc writes them, or unshaped (default: {RATES}; "
                              f"with --quick {QUICK_RATES})")
@@ -729,6 +734,10 @@ def parse_args(argv=None):
     args.selected = rows_named(args.only)
     if isinstance(args.selected, str):
         parser.error(args.selected)
+    left_out = [r.name for r in args.selected if r.full_only and args.quick and not args.only]
+    args.selected = [r for r in args.selected if r.name not in left_out]
+    args.left_out = (f"--quick leaves out {' and '.join(left_out)}, which change one flag of a path it runs: run "
+                     "without --quick, or name them with --only" if left_out else None)
     if Path(args.output_dir).exists() and not Path(args.output_dir).is_dir():
         parser.error(f"--output-dir {args.output_dir} is a file")
     return args
@@ -750,7 +759,8 @@ def measure(args, doc: Path | None, command: str) -> None:
     hardware = benchmark.hardware("cpu", 2)
     meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
             "torch": torch.__version__, "command": command, "commit": git_commit(), "batch_size": args.batch_size,
-            "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected]}
+            "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected],
+            "left_out": args.left_out}
     results = {"meta": meta, "runs": [], "collectives": {}, "learning": [], "timeline": None}
     learners = learning_rows(args.selected) if args.learning_steps else []
     ddp = next((r for r in args.selected if r.name == TIMELINE_ROW), None)
@@ -767,7 +777,8 @@ def measure(args, doc: Path | None, command: str) -> None:
         port[0] += 1
         return port[0]
 
-    print(f"{meta['hardware']}; {len(args.selected)} rows at {len(args.rates)} rates; writing {out}", flush=True)
+    print(f"{meta['hardware']}; {len(args.selected)} rows at {len(args.rates)} rates; writing {out}" +
+          (f"\n{args.left_out}" if args.left_out else ""), flush=True)
     try:
         with benchmark.stopped_as_ctrl_c(), TwoHosts() as hosts:
             meta["compute_alone"] = compute_alone(args)
