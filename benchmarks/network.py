@@ -1,7 +1,7 @@
 """Each strategy over a link of known speed: two hosts, one rank each, the link between them shaped to a list of rates.
 
     python -m benchmarks.network --quick            # 2 rates, per-rank batch 8: under 10 minutes on 2 cores
-    python -m benchmarks.network                    # 5 rates, 4 timed steps a row: about an hour on 2 cores
+    python -m benchmarks.network                    # 5 rates, 4 timed steps a row: about 75 minutes on 2 cores
     python -m benchmarks.network --rates 100mbit,30mbit --only DDP,fp16     # some rates, some rows
 
 It needs root and iproute2 (network namespaces, tc) and taskset; without them it says so in one line, exit status 2.
