@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import distributed
 import distributed_diloco
 from benchmarks.sharding import CountedCollectives
-from utils import models
+from utils import flags, models
 from utils.spawn import free_port
 
 CPU = torch.device("cpu")
@@ -90,13 +90,18 @@ def markdown(results: list[dict], ranks: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def sync_every_list(text: str) -> list[int]:
+    return [flags.positive_int(word) for word in text.split(",")]
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.diloco", description=__doc__.splitlines()[0])
-    parser.add_argument("--ranks", type=int, default=2, help="processes (gloo, on the CPU)")
-    parser.add_argument("--sync-every", default="1,4,16,64", help="comma-separated values of H")
-    parser.add_argument("--steps", type=int, default=64, help="optimizer steps counted for each")
-    args = parser.parse_args(argv)
-    plan = [None] + [int(h) for h in args.sync_every.split(",")]
+    parser.add_argument("--ranks", type=flags.positive_int, default=2, help="processes (gloo, on the CPU)")
+    parser.add_argument("--sync-every", type=sync_every_list, default="1,4,16,64", metavar="H,H,...",
+                        help="comma-separated values of H, each a positive integer")
+    parser.add_argument("--steps", type=flags.positive_int, default=64, help="optimizer steps counted for each")
+    args = parser.parse_args(argv)  # a bad value: argparse's one line, exit status 2
+    plan = [None] + args.sync_every
     with tempfile.TemporaryDirectory() as scratch:
         out = str(Path(scratch, "counts.json"))
         mp.spawn(_rank, args=(args.ranks, free_port(), plan, args.steps, out), nprocs=args.ranks)

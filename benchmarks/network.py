@@ -5,7 +5,7 @@
     python -m benchmarks.network --rates 100mbit,30mbit --only DDP,fp16     # some rates, some rows
 
 It needs root and iproute2 (network namespaces, tc) and taskset; without them it says so in one line, exit status 2.
-The two hosts are network namespaces joined by a veth pair (as tests/test_multinode.py makes them), each running one
+The two hosts are network namespaces joined by a veth pair (tests/test_multinode.py uses them too), each running one
 rank of the job pinned to a core of its own (taskset), one thread each; tc's token bucket (tbf) on both ends of the
 link holds each direction to the rate. Each row runs a real script with its own flags, through torchrun, a launcher
 on each host (two nodes of one process, the rendezvous on host 0), on CIFAR-100-shaped synthetic data at the CPU
@@ -128,7 +128,7 @@ def tx_bytes(pid: int, interface: str) -> int:
 
 
 class TwoHosts:
-    """Two network namespaces joined by a veth pair, as tests/test_multinode.py makes them: host i has address
+    """Two network namespaces joined by a veth pair (tests/test_multinode.py uses them too): host i has address
     ADDRESSES[i] on its end INTERFACES[i], and runs its commands pinned to a core of its own. On exit every process
     still in them is killed and both are deleted: their link and its qdiscs go with them."""
 

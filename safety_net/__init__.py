@@ -94,8 +94,8 @@ class SafetyNet:
         parser.checks.append(_tensorboard_missing)
         parser.checks.append(_init_from_conflicts)
 
-    # for utils.errors.exit_on_error in a copy that wants it without a SafetyNet: a crash as one line and exit status
-    # 1, its traceback in a file (crash_report.py)
+    # what the net hands utils.errors.exit_on_error: a crash as one line and exit status 1, its traceback in a file
+    # (crash_report.py)
     report_crash = staticmethod(crash_report.report)
 
     @classmethod
@@ -114,12 +114,13 @@ class SafetyNet:
     def __enter__(self) -> "SafetyNet":
         """`with SafetyNet.for_flags(...) as safety:` around a process's work: check_flags_before_start first; an error
         within is one line (utils.errors.exit_on_error: bad input exit status 2, a crash 1, its traceback in a file)."""
-        self._errors = errors.exit_on_error(crash_report.report)
+        self._errors = errors.exit_on_error(self.report_crash)
         self._errors.__enter__()
         try:
             _check_before_start(self.options, self.script, self.profile_steps)
         except Exception:
             self.__exit__(*sys.exc_info())  # its line and exit status
+            raise  # (exit_on_error exits on every Exception: not reached)
         return self
 
     def __exit__(self, kind, error, traceback) -> bool:
@@ -136,7 +137,7 @@ class SafetyNet:
     def check_flags_before_spawn(args, script: str) -> None:
         """check_flags_before_start in a process that only starts the ranks (mp.spawn's parent), an error one line: it
         keeps nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
-        with errors.exit_on_error(crash_report.report):
+        with errors.exit_on_error(SafetyNet.report_crash):
             SafetyNet.check_flags_before_start(args, script)
         checkpoints.forget_last_read()
 

@@ -88,7 +88,8 @@ def crash_in_exit_on_error(crash_report):
 
 
 def test_a_crash_is_the_safety_nets_one_line_and_without_it_pythons_traceback(capsys, monkeypatch):
-    """The scripts hand exit_on_error the safety net's crash report: one line naming the error and its place, the
+    """The safety net hands exit_on_error its crash report (`with SafetyNet.for_flags(...)`, the spawn parent's
+    check_flags_before_spawn): one line naming the error and its place, the
     traceback in a file, exit status 1. A copy without the safety net gets the exception back: Python's traceback."""
     from safety_net import SafetyNet
     monkeypatch.setattr("signal.signal", lambda *_: None)  # exit_process resets SIGCHLD: not in the test process

@@ -286,7 +286,7 @@ def test_ctrl_c_mid_round_then_the_same_command_continues_bit_for_bit(tmp_path):
     started = Run(cmd + ["--output-dir", str(stopped)])
     started.wait_for("epoch 1/1 step 2/6")
     os.kill(started.proc.pid, signal.SIGINT)
-    status, seconds = started.finish()
+    status, seconds = started.finish()  # seconds from the signal: torchrun's SIGKILL comes 30 s after its SIGTERM
     assert status != 0 and seconds < 30 and "stopped by SIGINT at epoch 1, step" in started.text, started.output
     halfway = torch.load(stopped / "checkpoint.pt", weights_only=True)
     assert 2 <= halfway["step"] < 4, halfway["step"]  # within the first round

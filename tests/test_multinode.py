@@ -1,8 +1,6 @@
 """Several machines, played on one host: each test starts two launcher processes ("machines") of one
 rank each, and their 2-rank job must end with the weights of the same job on one machine, to the bit."""
 import contextlib
-import os
-import shutil
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -11,6 +9,8 @@ import pytest
 import torch
 from script_runs import ROOT, TINY, load_checkpoint, subprocess_env
 
+from benchmarks import network
+from utils.errors import UsageError
 from utils.launch import first_host, slurm_address
 from utils.spawn import free_port
 
@@ -134,39 +134,25 @@ def test_machines_that_disagree_on_the_job_are_stopped_before_training(tmp_path)
 
 @contextlib.contextmanager
 def two_hosts():
-    """Two network namespaces joined by a veth pair: hosts 10.231.0.1 and 10.231.0.2 with their own
-    interfaces. Made and removed by the test; needs root and iproute2."""
-    if os.geteuid() != 0 or shutil.which("ip") is None:
-        pytest.skip("network namespaces need root and iproute2")
-    names = [f"ddp-test-{os.getpid()}-{i}" for i in (0, 1)]
-
-    def ip(*args):
-        return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-    if ip("netns", "add", names[0]).returncode != 0:
-        pytest.skip("cannot create network namespaces here")
+    """benchmarks.network's two hosts: network namespaces joined by a veth pair, host i at network.ADDRESSES[i] on
+    its interface network.INTERFACES[i], removed afterwards; skipped without root, iproute2, tc and taskset."""
+    hosts = network.TwoHosts("ddp-test")
     try:
-        ip("netns", "add", names[1])
-        ip("link", "add", "veth-a", "netns", names[0], "type", "veth", "peer", "name", "veth-b", "netns", names[1])
-        for i, name in enumerate(names):
-            dev = "veth-a" if i == 0 else "veth-b"
-            for args in (("addr", "add", f"10.231.0.{i + 1}/24", "dev", dev), ("link", "set", dev, "up"),
-                         ("link", "set", "lo", "up")):
-                result = ip("-n", name, *args)
-                if result.returncode != 0:
-                    pytest.skip(f"cannot configure network namespace: {result.stderr.strip()}")
-        yield [["ip", "netns", "exec", name] for name in names], ["veth-a", "veth-b"]
+        hosts.__enter__()
+    except UsageError as why:
+        pytest.skip(str(why))
+    try:
+        yield hosts
     finally:
-        for name in names:
-            ip("netns", "del", name)
+        hosts.__exit__()
 
 
 @pytest.mark.slow
 def test_two_hosts_in_network_namespaces(runs, tmp_path):
-    with two_hosts() as (prefixes, interfaces):
-        cmds = [prefix + [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(node),
-                          "--nprocs", "1", "--ip", "10.231.0.1", "--port", "29555"] + TINY
-                + ["--output-dir", str(tmp_path)] for node, prefix in enumerate(prefixes)]
-        results = start_machines(cmds, envs=[{"GLOO_SOCKET_IFNAME": iface} for iface in interfaces])
+    with two_hosts() as hosts:
+        cmds = [hosts.prefix(node) + [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank",
+                                      str(node), "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", "29555"]
+                + TINY + ["--output-dir", str(tmp_path)] for node in (0, 1)]
+        results = start_machines(cmds, envs=[{"GLOO_SOCKET_IFNAME": iface} for iface in network.INTERFACES])
     assert_all_ok(results)
     assert_same_bits(runs("spawn", "spawn", "distributed_mp.py"), tmp_path)
