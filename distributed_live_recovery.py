@@ -57,8 +57,9 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_nor
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         optimizer.step()  # torchft: steps only if the step is committed (every group of the quorum sent its part)
         if safety.step_done(loss, grad_norm):  # every rank, each step: progress, checkpoints; True: all ranks stop
-            return
+            return True
         optimizer.zero_grad(set_to_none=True)  # torchft: the next step's quorum, formed here: which groups live
+    return False
 
 
 def average_in_group_then_across_groups(manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -113,7 +114,7 @@ def train(args, env, safety):
         sync_bn = nn.SyncBatchNorm if env.device.type == "cuda" else CpuSyncBatchNorm  # torch's is GPU-only
         model = sync_bn.convert_sync_batchnorm(model)
     if args.evaluate:  # the weights of <output-dir>'s checkpoint on the test set, into eval.json (no lighthouse)
-        safety.load_weights(model)
+        safety.resume(model=model, steps_per_epoch=len(train_loader))
         safety.write_eval(metrics.evaluate(model, test_loader, env.device))
         return
     # torchft: this group's manager. Each step it asks the lighthouse which groups are alive (the quorum),
@@ -143,12 +144,11 @@ def train(args, env, safety):
         scheduler = lr_scheduler.SequentialLR(optimizer, [warmup, scheduler], milestones=[args.warmup_epochs])
     optimizer = torchft.Optimizer(manager, optimizer)  # torchft: zero_grad joins a quorum, step commits first
     # every rank: continue from <output-dir>'s checkpoint if there is one (with the manager's count of committed
-    # steps, by which the quorum tells which group is behind); progress lines end "N of R replica groups"
+    # steps, by which the quorum tells which group is behind), then wait for the groups its last step had (one trained
+    # on alone could reach another's checkpointed step on other weights, and torchft heals only a group behind)
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
-                  replica_groups=args.replica_groups, steps_per_epoch=len(train_loader))
-    # a group continuing from its checkpoint waits (--wait-for-groups) for as many groups as its last step had: trained
-    # on alone it could reach another's checkpointed step on other weights, and torchft heals only a group behind
-    safety.wait_for_the_groups_of_the_last_step(args.lighthouse, args.wait_for_groups)
+                  replica_groups=args.replica_groups, steps_per_epoch=len(train_loader),
+                  wait_for_groups=(args.lighthouse, args.wait_for_groups))
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)
@@ -156,9 +156,9 @@ def train(args, env, safety):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what a checkpoint trained
         sampler.set_epoch(epoch, skip=start_step * batch)
-        train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
-        if not safety.stop_agreed_at_last_step():  # every group of the quorum, after its last step (collective)
-            average_batchnorm_statistics(manager, model.module)  # all groups evaluate one model
+        stopped = train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm)
+        if not stopped:  # every group of the quorum, after its last step (collective): all groups evaluate one model
+            average_batchnorm_statistics(manager, model.module)
         # the unwrapped module: DDP's forward would wait at a batch a shorter shard lacks; a stop signal cuts it short
         results = metrics.evaluate(model.module, test_loader, env.device, stop=safety.stop_received_here)
         if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved

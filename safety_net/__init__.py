@@ -58,7 +58,7 @@ class SafetyNet:
         self.start_at = (0, 0)  # (epoch, step) the run continues from
         self.steps_per_epoch = 0
         self.progress_note = None  # a function whose words end each progress line (safety_net/healing.py)
-        self.profile_steps, self.profiler = profile_steps, None  # made by arm() when asked for
+        self.profile_steps, self.profiler = profile_steps, None  # made by running() when asked for
 
     @staticmethod
     def add_flags(parser: flags.Parser, sharded: bool = False) -> None:
@@ -112,7 +112,7 @@ class SafetyNet:
                    checkpoint_kind=kind)
 
     def __enter__(self) -> "SafetyNet":
-        """`with SafetyNet.for_flags(...) as safety:` around a process's work: check_flags_before_start first; an error
+        """`with SafetyNet.for_flags(...) as safety:` around a process's work: _check_before_start first; an error
         within is one line (utils.errors.exit_on_error: bad input exit status 2, a crash 1, its traceback in a file)."""
         self._errors = errors.exit_on_error(self.report_crash)
         self._errors.__enter__()
@@ -127,18 +127,12 @@ class SafetyNet:
         return self._errors.__exit__(kind, error, traceback)
 
     @staticmethod
-    def check_flags_before_start(args, script: str, sharded: bool = False) -> None:
-        """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other
-        run holds it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is
-        there, readable, and of this script's run (sharded: FSDP's checkpoint directories)."""
-        _check_before_start(checkpoints.Options.from_flags(args, sharded), script, args.profile_steps)
-
-    @staticmethod
     def check_flags_before_spawn(args, script: str) -> None:
-        """check_flags_before_start in a process that only starts the ranks (mp.spawn's parent), an error one line: it
-        keeps nothing it read, where a rank keeps the checkpoint for its resume (it would hold it the whole run)."""
+        """The checks of `with SafetyNet.for_flags(...)` in a process that only starts the ranks (mp.spawn's parent),
+        an error one line: it keeps nothing it read, where a rank keeps the checkpoint for its resume (it would hold
+        it the whole run)."""
         with errors.exit_on_error(SafetyNet.report_crash):
-            SafetyNet.check_flags_before_start(args, script)
+            _check_before_start(checkpoints.Options.from_flags(args), script, args.profile_steps)
         checkpoints.forget_last_read()
 
     def recorded_precision(self) -> tuple[str | None, str | None]:
@@ -163,15 +157,6 @@ class SafetyNet:
             sys.exit(self.stop.exit_status)
         self._finish()
 
-    def _checkpoints(self, precision, parts: dict, before_save=None):
-        return self.checkpoint_kind(self.options, self.env, self.script, precision=precision, before_save=before_save,
-                                    **parts)
-
-    def load_weights(self, model, precision: torch.dtype | None = None) -> None:
-        """For --evaluate before there is all that resume() takes (live recovery's manager): the weights of
-        <output-dir>'s newest checkpoint into the model (sharded: every rank reads its shards, a collective)."""
-        self._checkpoints(precision, {"model": model}).load_weights()
-
     def write_eval(self, results: dict) -> None:
         """Rank 0 writes <output-dir>/eval.json and prints the results."""
         metrics_log.write_eval(self.options.output_dir, results, self.env.is_main)
@@ -183,7 +168,8 @@ class SafetyNet:
         <output-dir> is not taken. Returns the epoch to start at.
         precision: the autocast dtype the run trains in (None: float32), recorded so that a resume keeps it.
         before_save: a function every rank calls before each checkpoint is written (ZeRO-1's consolidation)."""
-        self.checkpoint = self._checkpoints(precision, parts, before_save)
+        self.checkpoint = self.checkpoint_kind(self.options, self.env, self.script, precision=precision,
+                                               before_save=before_save, **parts)
         if self.options.evaluate:  # --evaluate: only the weights (sharded: each rank its shards), nothing to train
             self.checkpoint.load_weights()
             return self.options.epochs
@@ -235,13 +221,8 @@ class SafetyNet:
 
     def stop_received_here(self) -> bool:
         """Whether this process got a stop signal: a local check, for loops every rank may leave at its own
-        step (the evaluation); ask_all_ranks_whether_to_stop() then makes it everyone's."""
+        step (the evaluation); end_epoch() then makes it everyone's."""
         return bool(self.stop.signum or self.stop.received)
-
-    def stop_agreed_at_last_step(self) -> bool:
-        """Whether every rank knew of a stop signal at the last step (step_done returned True): local, no collective,
-        the same on every rank; the epoch's loop was cut short there."""
-        return bool(self.stop.signum)
 
     def end_epoch(self, results: dict, lr: float) -> bool:
         """Every rank, after the evaluation (collectives: the stop flag and the epoch's loss all-reduced; on a stop, the
@@ -275,6 +256,9 @@ class SafetyNet:
 
 
 def _check_before_start(options: checkpoints.Options, script: str, profile_steps: int | None) -> None:
+    """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other run holds
+    it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is there, readable, and
+    of this script's run."""
     checkpoints.check_output_dir_writable(options)
     if not options.evaluate:
         checkpoints.check_output_dir_free(options.output_dir)

@@ -356,15 +356,20 @@ def check_output_dir_writable(options: Options) -> None:
     existing = path
     while not os.path.exists(existing):  # the run makes the missing folders: the nearest existing one decides
         existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise UsageError(f"--output-dir {options.output_dir}: {existing} is a file, not a directory")
-    try:
-        with tempfile.TemporaryFile(dir=existing):  # a write, not os.access: root passes that on a read-only disk
-            pass
-    except OSError as error:
-        raise UsageError(f"--output-dir {options.output_dir}: cannot write in {existing} ({error.strerror})") from None
+    check_writable(existing, f"--output-dir {options.output_dir}")
     if options.init_from and not os.path.exists(options.init_from):
         raise UsageError(f"--init-from {options.init_from}: no such file")
+
+
+def check_writable(folder: str, flag: str) -> None:
+    """A UsageError naming `flag` unless `folder` is a directory this process can write in."""
+    if not os.path.isdir(folder):
+        raise UsageError(f"{flag}: {folder} is a file, not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=folder):  # a write, not os.access: root passes that on a read-only disk
+            pass
+    except OSError as error:
+        raise UsageError(f"{flag}: cannot write in {folder} ({error.strerror})") from None
 
 
 def check_before_start(options: Options, script: str) -> None:

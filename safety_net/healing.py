@@ -31,21 +31,25 @@ class ManagerState:
 class HealingSafetyNet(SafetyNet):
     """SafetyNet, and a live replica group's state to hand over or take (torchft's Manager calls both)."""
 
-    def resume(self, *, manager, replica_groups: int, **parts) -> int:
+    def resume(self, *, manager=None, replica_groups: int = 1, wait_for_groups: tuple[str, float] = ("", 0.0),
+               **parts) -> int:
         """SafetyNet.resume, with the manager's state in the checkpoint (ManagerState); each progress line then ends
-        with how many of the `replica_groups` took part in the last quorum."""
+        with how many of the `replica_groups` took part in the last quorum. Then, before the first quorum (HTTP, no
+        collective), a group continuing from its checkpoint waits until as many replica groups beat on the lighthouse
+        as took part in the checkpoint's last quorum, at most the seconds of wait_for_groups = (lighthouse, seconds).
+        Trained on alone, it could reach the step another group's checkpoint holds, on other weights, and torchft
+        heals only a group whose step is behind: the two would never agree again. --evaluate: no manager, only the
+        model's weights read (SafetyNet.resume)."""
+        if self.options.evaluate:
+            return super().resume(**parts)
         self.manager_state = ManagerState(manager)
         self.progress_note = lambda: f"{manager.num_participants()} of {replica_groups} replica groups"
-        return super().resume(manager=self.manager_state, **parts)
-
-    def wait_for_the_groups_of_the_last_step(self, lighthouse: str, wait_s: float) -> None:
-        """Every rank, after resume() and before the first quorum (no collective): a group continuing from its
-        checkpoint waits, up to wait_s, until as many replica groups beat on the lighthouse as took part in the
-        checkpoint's last quorum. Trained on alone, it could reach the step another group's checkpoint holds, on
-        other weights, and torchft heals only a group whose step is behind: the two would never agree again."""
-        if self.manager_state.groups > 1 and wait_s > 0 and self.start_at[0] < self.options.epochs:
-            live_recovery.wait_for_replica_groups(lighthouse, self.manager_state.groups, wait_s,
-                                                  is_main=self.env.is_main, stop=self.stop_received_here)
+        start_epoch = super().resume(manager=self.manager_state, **parts)
+        (lighthouse, wait_s), groups = wait_for_groups, self.manager_state.groups
+        if groups > 1 and wait_s > 0 and start_epoch < self.options.epochs:
+            live_recovery.wait_for_replica_groups(lighthouse, groups, wait_s, is_main=self.env.is_main,
+                                                  stop=self.stop_received_here)
+        return start_epoch
 
     def state_for_a_peer(self) -> dict:
         """What a live replica group hands one that heals from it (distributed_live_recovery.py): every part given

@@ -64,7 +64,6 @@ class MetricsLog:
               f"  test_loss {record['test_loss']:.4f}  top1 {record['top1']:.2f}%  top5 {record['top5']:.2f}%  {speed}"
               f"  lr {record['lr']:.4g}", flush=True)
 
-
     def _not_written(self, error: OSError) -> None:
         """metrics.jsonl is a record, not the run's state: the run goes on (a full disk stops it at the next
         checkpoint, with its own line), and says what was lost."""

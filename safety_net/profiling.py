@@ -2,12 +2,12 @@
 writes its trace to <output-dir>/profile/rank<R>.json. Open one in https://ui.perfetto.dev or chrome://tracing,
 or draw them all: python -m benchmarks.timeline <output-dir>.
 
-The safety net makes it in arm(), starts it as the first epoch starts (start), steps it in step_done (step) and says
+The safety net makes it in running(), starts it as the first epoch starts (start), steps it in step_done (step) and says
 where the traces are at the end (last_line); without the flag it is never made, and torch.profiler not imported.
 """
 import os
-import tempfile
 
+from safety_net.checkpoint import check_writable
 from utils import flags
 from utils.errors import UsageError
 
@@ -34,15 +34,8 @@ def check_before_start(steps: int | None, evaluate: bool, output_dir: str) -> No
         return
     if evaluate:
         raise UsageError("--profile-steps records training steps; --evaluate trains none (drop one of them)")
-    folder = os.path.join(output_dir, FOLDER)
-    if os.path.exists(folder) and not os.path.isdir(folder):
-        raise UsageError(f"--profile-steps: {folder} is a file, not a directory")
-    if os.path.isdir(folder):
-        try:
-            with tempfile.TemporaryFile(dir=folder):  # a write, not os.access: root passes that on a read-only disk
-                pass
-        except OSError as error:
-            raise UsageError(f"--profile-steps: cannot write in {folder} ({error.strerror})") from None
+    if os.path.exists(folder := os.path.join(output_dir, FOLDER)):
+        check_writable(folder, "--profile-steps")
 
 
 def check_steps_left(steps: int, steps_left: int, steps_per_epoch: int) -> None:

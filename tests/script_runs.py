@@ -58,7 +58,7 @@ def run_main(main, argv: list[str], capsys) -> subprocess.CompletedProcess:
     finally:
         os.environ.clear()
         os.environ.update(environment)
-        errors._ranks_met = False  # what SafetyNet.arm noted of this process: the next main() starts anew
+        errors._ranks_met = False  # what SafetyNet.running noted of this process: the next main() starts anew
     said = capsys.readouterr()
     return subprocess.CompletedProcess(argv, code, said.out, said.err)
 

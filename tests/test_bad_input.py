@@ -117,7 +117,7 @@ def test_under_a_launcher_local_rank_0_alone_prints_a_bad_flag_or_the_help(capsy
         result = run_main(distributed.main, ["--ip", "no-such-host.invalid"], capsys)  # found after the parsing
         assert result.returncode == 2 and ("does not resolve" in result.stderr) == prints, result
     assert waits == [30.0] * 4  # a bad flag and the bad --ip on the two silent ranks; not --help's exits (status 0)
-    monkeypatch.setattr(errors, "_ranks_met", True)  # once the ranks have met (SafetyNet.arm): no rank waits
+    monkeypatch.setattr(errors, "_ranks_met", True)  # once the ranks have met (SafetyNet.running): no rank waits
     monkeypatch.setenv("SLURM_LOCALID", "1")
     result = run_main(distributed.main, ["--ip", "no-such-host.invalid"], capsys)
     assert result.returncode == 2 and result.stderr == "" and waits == [30.0] * 4, (result, waits)

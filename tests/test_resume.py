@@ -262,11 +262,11 @@ def test_a_resuming_process_reads_its_checkpoint_once(tmp_path, monkeypatch):
 
 def test_the_spawn_parent_keeps_no_checkpoint_after_its_checks(tmp_path):
     """The parent of the spawned ranks reads the checkpoint to check it, then only waits: it keeps nothing."""
-    from safety_net import SafetyNet
+    import safety_net
     tiny_checkpoints(tmp_path, nn.Linear(3, 2)).save(1)
     args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1, keep=2, resume=None,
                            restart=False, evaluate=False, init_from=None, save_every_steps=0, profile_steps=None)
-    SafetyNet.check_flags_before_start(args, "distributed.py")
+    safety_net._check_before_start(checkpoint.Options.from_flags(args), "distributed.py", None)  # for_flags' checks
     assert checkpoint._last_read[1] is not None  # a rank keeps it for its resume
-    SafetyNet.check_flags_before_spawn(args, "distributed.py")
+    safety_net.SafetyNet.check_flags_before_spawn(args, "distributed.py")
     assert checkpoint._last_read == (None, None)

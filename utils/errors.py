@@ -71,7 +71,7 @@ _ranks_met = False  # this process joined a process group: its ranks all reached
 
 def note_ranks_met() -> None:
     """Say that the ranks have met (dist.init_process_group returned): from then on an error every rank meets exits at
-    once on every rank, even after dist.destroy_process_group (SafetyNet.arm calls this)."""
+    once on every rank, even after dist.destroy_process_group (SafetyNet.running calls this)."""
     global _ranks_met
     _ranks_met = True
 
