@@ -5,6 +5,7 @@ import json
 import os
 import resource
 import shutil
+import signal
 import tempfile
 from pathlib import Path
 
@@ -22,6 +23,14 @@ LONGEST_FIRST = ["test_live_recovery.py", "test_stopping.py", "test_resume.py", 
                  "test_end_to_end.py", "test_cuda_graphs.py", "test_failures.py", "test_checkpoints.py",
                  "test_learning.py", "test_host_reads.py", "test_a_rank_fails.py", "test_pipeline.py",
                  "test_profiling.py", "test_fsdp.py", "test_bad_input.py"]
+
+
+def pytest_configure(config):
+    """SIGINT as a terminal's Ctrl-C finds it. A pytest started in the background by a shell without job control
+    (`pytest &` in a script, `nohup ... &`) inherits SIGINT ignored, and so would every process it starts: a test
+    that sends one SIGINT (Ctrl-C) to a benchmark that leaves SIGINT to Python would then see it run on to its end."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(session, config, items):

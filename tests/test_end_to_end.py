@@ -5,6 +5,7 @@ with the same augmentation, so runs at the same world size end with the same wei
 whatever the launcher, and runs at different world sizes agree as closely as float32 allows.
 """
 import json
+import shutil
 
 import pytest
 import torch
@@ -84,12 +85,17 @@ def test_accumulation_script_under_spawn(runs):
 
 
 def test_checkpoints_move_between_scripts(runs, tmp_path):
-    """A DDP + CpuSyncBatchNorm checkpoint is evaluated by DataParallel (plain BatchNorm): same keys."""
+    """A DDP + CpuSyncBatchNorm checkpoint is evaluated by DataParallel (plain BatchNorm: same keys) and by live
+    recovery (its --evaluate reads the weights through resume(), before any torchft manager or lighthouse)."""
     out = get(runs, "torchrun")
-    check(run(launcher("python", "dataparallel.py") + ["--dataset", "synthetic", "--test-samples", "21",
-                                                         "--workers", "0", "--evaluate", "--output-dir", str(out)]))
-    result = json.loads((out / "eval.json").read_text())
+    group = tmp_path / "replica_group_0"  # live recovery's own folder under --output-dir
+    group.mkdir()
+    shutil.copy(out / "checkpoint.pt", group / "checkpoint.pt")
     (record,) = read_metrics(out)
-    assert result["samples"] == 21
-    assert result["top1"] == pytest.approx(record["top1"]) and result["top5"] == pytest.approx(record["top5"])
-    assert result["test_loss"] == pytest.approx(record["test_loss"], rel=1e-4)
+    for script, folder in (("dataparallel.py", out), ("distributed_live_recovery.py", tmp_path)):
+        check(run(launcher("python", script) + ["--dataset", "synthetic", "--test-samples", "21", "--workers", "0",
+                                                "--evaluate", "--output-dir", str(folder)]))
+        result = json.loads(((group if folder == tmp_path else out) / "eval.json").read_text())
+        assert result["samples"] == 21, script
+        assert result["top1"] == pytest.approx(record["top1"]) and result["top5"] == pytest.approx(record["top5"])
+        assert result["test_loss"] == pytest.approx(record["test_loss"], rel=1e-4), script
