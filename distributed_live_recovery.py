@@ -148,7 +148,7 @@ def train(args, env, safety):
     # on alone could reach another's checkpointed step on other weights, and torchft heals only a group behind)
     safety.resume(model=model, optimizer=optimizer, scheduler=scheduler, manager=manager,
                   replica_groups=args.replica_groups, steps_per_epoch=len(train_loader),
-                  wait_for_groups=(args.lighthouse, args.wait_for_groups))
+                  lighthouse=args.lighthouse, wait_for_groups=args.wait_for_groups)
     # torchft: join the job's first quorum. A group behind the live ones heals here: it takes a live group's
     # state (state_dict above) and starts at that group's epoch and step
     optimizer.zero_grad(set_to_none=True)

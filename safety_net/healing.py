@@ -31,12 +31,12 @@ class ManagerState:
 class HealingSafetyNet(SafetyNet):
     """SafetyNet, and a live replica group's state to hand over or take (torchft's Manager calls both)."""
 
-    def resume(self, *, manager=None, replica_groups: int = 1, wait_for_groups: tuple[str, float] = ("", 0.0),
+    def resume(self, *, manager=None, replica_groups: int = 1, lighthouse: str = "", wait_for_groups: float = 0.0,
                **parts) -> int:
         """SafetyNet.resume, with the manager's state in the checkpoint (ManagerState); each progress line then ends
         with how many of the `replica_groups` took part in the last quorum. Then, before the first quorum (HTTP, no
         collective), a group continuing from its checkpoint waits until as many replica groups beat on the lighthouse
-        as took part in the checkpoint's last quorum, at most the seconds of wait_for_groups = (lighthouse, seconds).
+        as took part in the checkpoint's last quorum, at most wait_for_groups seconds (--wait-for-groups).
         Trained on alone, it could reach the step another group's checkpoint holds, on other weights, and torchft
         heals only a group whose step is behind: the two would never agree again. --evaluate: no manager, only the
         model's weights read (SafetyNet.resume)."""
@@ -45,9 +45,9 @@ class HealingSafetyNet(SafetyNet):
         self.manager_state = ManagerState(manager)
         self.progress_note = lambda: f"{manager.num_participants()} of {replica_groups} replica groups"
         start_epoch = super().resume(manager=self.manager_state, **parts)
-        (lighthouse, wait_s), groups = wait_for_groups, self.manager_state.groups
-        if groups > 1 and wait_s > 0 and start_epoch < self.options.epochs:
-            live_recovery.wait_for_replica_groups(lighthouse, groups, wait_s, is_main=self.env.is_main,
+        groups = self.manager_state.groups
+        if groups > 1 and wait_for_groups > 0 and start_epoch < self.options.epochs:
+            live_recovery.wait_for_replica_groups(lighthouse, groups, wait_for_groups, is_main=self.env.is_main,
                                                   stop=self.stop_received_here)
         return start_epoch
 

@@ -92,10 +92,11 @@ def test_checkpoints_move_between_scripts(runs, tmp_path):
     group.mkdir()
     shutil.copy(out / "checkpoint.pt", group / "checkpoint.pt")
     (record,) = read_metrics(out)
-    for script, folder in (("dataparallel.py", out), ("distributed_live_recovery.py", tmp_path)):
+    for script, output_dir, written in (("dataparallel.py", out, out),
+                                        ("distributed_live_recovery.py", tmp_path, group)):
         check(run(launcher("python", script) + ["--dataset", "synthetic", "--test-samples", "21", "--workers", "0",
-                                                "--evaluate", "--output-dir", str(folder)]))
-        result = json.loads(((group if folder == tmp_path else out) / "eval.json").read_text())
+                                                "--evaluate", "--output-dir", str(output_dir)]))
+        result = json.loads((written / "eval.json").read_text())
         assert result["samples"] == 21, script
         assert result["top1"] == pytest.approx(record["top1"]) and result["top5"] == pytest.approx(record["top5"])
         assert result["test_loss"] == pytest.approx(record["test_loss"], rel=1e-4), script
