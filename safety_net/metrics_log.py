@@ -19,9 +19,10 @@ class MetricsLog:
         self.events = None
         if is_main and tensorboard:
             from torch.utils.tensorboard import SummaryWriter  # optional: checked when the flags are parsed
-            # purge_step hides the events a stopped or crashed run wrote after the step it continues from
+            # purge_step hides the events at and past it: those a stopped or crashed run wrote after its checkpoint's
+            # step, from the first step this run takes again (the checkpoint's own, and its epoch's metrics, stay)
             self.events = SummaryWriter(os.path.join(output_dir, "tensorboard"),
-                                        purge_step=done_epochs * steps_per_epoch + done_steps)
+                                        purge_step=done_epochs * steps_per_epoch + done_steps + 1)
         if is_main:  # keep the epochs the checkpoint has; drop any written after it (a crash in between)
             os.makedirs(output_dir, exist_ok=True)
             kept = []
