@@ -82,6 +82,14 @@ def test_an_output_dir_that_is_a_file_is_refused_untouched(module, tmp_path, cap
     assert out.read_text() == "mine\n"
 
 
+@pytest.mark.parametrize("module", ["distributed", "distributed_mp"])  # torchrun's ranks; spawn's parent, before any
+def test_an_output_dir_in_a_folder_no_one_can_write_in_is_one_line(module, capsys):
+    """The nearest existing folder is tried with a real write (root passes os.access on a read-only disk; /proc takes
+    no file even from root): the user reads the flag and the folder, not a traceback at the first checkpoint."""
+    result = run_main(importlib.import_module(module).main, TINY + ["--output-dir", "/proc/cifar-run"], capsys)
+    assert_one_line_error(result, "--output-dir /proc/cifar-run: cannot write in /proc (")
+
+
 @pytest.mark.slow
 def test_error_in_a_spawned_rank_reaches_the_user_once(tmp_path):
     """A checkpoint of another script: the spawn parent refuses it before starting any process; under

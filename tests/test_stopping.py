@@ -101,13 +101,15 @@ def test_a_stop_signal_saves_the_step_and_the_same_command_continues(how, refere
         assert f"step {load_checkpoint(tmp_path)['step']}/6:" in line
 
 
-def fake_scontrol(folder: Path, requeueable: bool) -> Path:
-    """A stand-in for SLURM's scontrol that records its arguments."""
+def fake_scontrol(folder: Path, requeueable: bool, refuses: str = "") -> Path:
+    """A stand-in for SLURM's scontrol that records its arguments; `refuses`: what its requeue says as it fails."""
     log = folder / "scontrol.log"
     script = folder / "scontrol"
+    refused = f'if [ "$1" = requeue ]; then echo "{refuses}" >&2; exit 1; fi' if refuses else ""
     script.write_text(f"""#!/bin/sh
 echo "$@" >> {log}
 if [ "$1" = show ]; then echo "JobId=$4 JobName=cifar Requeue={int(requeueable)} Restarts=0"; fi
+{refused}
 """)
     script.chmod(script.stat().st_mode | stat.S_IEXEC)
     return log
@@ -284,6 +286,55 @@ def test_torchruns_wait_before_sigkill_is_read_as_torchrun_reads_it():
     assert stopping.torchrun_shutdown_timeout(["torchrun", "--shutdown_timeout=45", "train.py"], {}) == 45
     assert stopping.torchrun_shutdown_timeout(["torchrun", "train.py"], {"PET_SHUTDOWN_TIMEOUT": "60"}) == 60
     assert stopping.torchrun_shutdown_timeout(["torchrun", "train.py"], {}) == 30  # torchrun's default
+
+
+@pytest.mark.parametrize("scontrol, says, asked", [
+    (None, "SLURM job 4242: scontrol not found, not requeued; submit the job again to continue", []),
+    ({"requeueable": False}, "SLURM job 4242 is not requeueable (sbatch --requeue); submit it again to continue",
+     ["show job -o 4242"]),
+    ({"requeueable": True, "refuses": "Requested operation is presently disabled"},
+     "SLURM job 4242: scontrol requeue failed (Requested operation is presently disabled)",
+     ["show job -o 4242", "requeue 4242"]),
+    ({"requeueable": True}, "SLURM job 4242 requeued: it continues from the checkpoint when it starts again",
+     ["show job -o 4242", "requeue 4242"])])
+def test_a_slurm_stop_says_whether_the_job_was_requeued_and_if_not_why(scontrol, says, asked, tmp_path,
+                                                                        monkeypatch):
+    """After a SIGUSR1's checkpoint: a job that cannot come back by itself says so and what to do (submit it again),
+    rather than leaving the user to wait for a requeue that never comes; a job not requeueable is not asked to be."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("PATH", str(tmp_path))  # this folder's scontrol, or none
+    if scontrol is not None:
+        log = fake_scontrol(tmp_path, **scontrol)
+    assert stopping.requeue_slurm_job() == says
+    assert (log.read_text().splitlines() if scontrol is not None else []) == asked
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert stopping.requeue_slurm_job() == ""  # not under SLURM: nothing to requeue, nothing said
+
+
+def test_under_slurm_a_sigterm_leaves_killwait_to_save_and_a_slow_step_is_warned_of_with_slurms_own_advice(
+        monkeypatch, capsys):
+    """SLURM sends SIGKILL KillWait (30 s) after its SIGTERM, not after SIGUSR1 (its --signal warning) or Ctrl-C:
+    a SIGTERM's stop gives up 25 s after it, and where a step is slower than a stop can save in within that, rank 0
+    says so at the first timed step, advising SLURM's earlier signal (not torchrun's flag)."""
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    assert stopping.kill_budget(signal.SIGTERM) == (30, "SLURM", "its KillWait, 30 s by default")
+    assert stopping.kill_budget(signal.SIGUSR1) is None and stopping.kill_budget(signal.SIGINT) is None
+    assert stopping.usable_s(30) == 25
+    said = []
+    for step_s in (10.0, 9.0):  # a stop saves within 2 steps and 5 s: 25 s fits steps of 10 s, not more
+        stop = object.__new__(StopSignals)  # its state only: no signal handlers in pytest's own process
+        stop._recent, stop._one_step, stop.is_main, stop._warned = [step_s + 1], False, True, False
+        stop._warn_if_a_stop_cannot_beat_sigkill()
+        said.append(capsys.readouterr().err.strip().partition(": ")[2])  # after the program's name
+        assert stop._warned
+    assert said[1] == "", said
+    assert said[0].startswith("warning: a step takes about 11 s, so a stop signal needs up to 27 s to save one; "
+                              "SLURM sends SIGKILL 30 s after a signal (its KillWait, 30 s by default), and a stop "
+                              "not saved 25 s after it exits without a new checkpoint; ask SLURM for the signal "
+                              "earlier (#SBATCH --signal=USR1@SECONDS"), said[0]
+    monkeypatch.delenv("SLURM_JOB_ID")
+    assert stopping.kill_budget(signal.SIGTERM) is None  # a shell waits as long as the stop takes
 
 
 @pytest.mark.slow
