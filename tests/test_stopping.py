@@ -322,9 +322,9 @@ def test_under_slurm_a_sigterm_leaves_killwait_to_save_and_a_slow_step_is_warned
     assert stopping.kill_budget(signal.SIGUSR1) is None and stopping.kill_budget(signal.SIGINT) is None
     assert stopping.usable_s(30) == 25
     said = []
-    for step_s in (10.0, 9.0):  # a stop saves within 2 steps and 5 s: 25 s fits steps of 10 s, not more
+    for step_s in (11.0, 10.0):  # a stop saves within 2 steps and 5 s: 25 s fits steps of 10 s, not more
         stop = object.__new__(StopSignals)  # its state only: no signal handlers in pytest's own process
-        stop._recent, stop._one_step, stop.is_main, stop._warned = [step_s + 1], False, True, False
+        stop._recent, stop._one_step, stop.is_main, stop._warned = [step_s], False, True, False
         stop._warn_if_a_stop_cannot_beat_sigkill()
         said.append(capsys.readouterr().err.strip().partition(": ")[2])  # after the program's name
         assert stop._warned
