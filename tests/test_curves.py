@@ -5,6 +5,7 @@ import pytest
 from script_runs import TINY, check, launcher, read_metrics, run, run_main
 
 from benchmarks import plot
+from safety_net.metrics_log import MetricsLog
 
 
 def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):
@@ -25,6 +26,12 @@ def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):
         assert [e.value for e in scalars] == pytest.approx([r[name] for r in records], rel=1e-6)
 
 
+def epoch_record(epoch: int, top1: float = 10.0) -> dict:
+    """An epoch's line as the safety net hands it to MetricsLog.write."""
+    return {"epoch": epoch, "train_loss": 1.0, "test_loss": 1.0, "top1": top1, "top5": 50.0, "lr": 0.1,
+            "epoch_time_s": 1.0, "images_per_s": 1.0}
+
+
 def test_a_resumed_run_replaces_the_events_written_after_its_checkpoint_and_keeps_those_before(tmp_path, capsys):
     """Epoch 1 of 3 steps checkpointed, epoch 2 logged, then a crash before its checkpoint; the run resumed from epoch
     1 logs epoch 2 again. TensorBoard shows one curve: every event up to the checkpoint, epoch 1's metrics at step 3
@@ -32,24 +39,18 @@ def test_a_resumed_run_replaces_the_events_written_after_its_checkpoint_and_keep
     (without purge_step, the crashed run's epoch 2 metrics stay beside the new ones at the same step)."""
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    from safety_net.metrics_log import MetricsLog
-
-    def record(epoch: int, top1: float) -> dict:
-        return {"epoch": epoch, "train_loss": 1.0, "test_loss": 1.0, "top1": top1, "top5": 1.0, "lr": 0.1,
-                "epoch_time_s": 1.0, "images_per_s": 1.0}
     crashed = MetricsLog(str(tmp_path), is_main=True, done_epochs=0, steps_per_epoch=3, tensorboard=True)
     for step in (1, 2, 3):
         crashed.train_loss(0, step, 1.0)
-    crashed.write(record(1, 10.0))
+    crashed.write(epoch_record(1, top1=10.0))
     for step in (1, 2, 3):  # past the checkpoint: to be replaced
         crashed.train_loss(1, step, 9.0)
-    crashed.write(record(2, 15.0))
+    crashed.write(epoch_record(2, top1=15.0))
     crashed.events.close()
     resumed = MetricsLog(str(tmp_path), is_main=True, done_epochs=1, steps_per_epoch=3, tensorboard=True)
     for step in (1, 2, 3):
         resumed.train_loss(1, step, 2.0)
-    resumed.write(record(2, 20.0))
+    resumed.write(epoch_record(2, top1=20.0))
     resumed.events.close()
     capsys.readouterr()
     events = EventAccumulator(str(tmp_path / "tensorboard"))
@@ -61,13 +62,11 @@ def test_a_resumed_run_replaces_the_events_written_after_its_checkpoint_and_keep
 def test_an_epoch_line_that_cannot_be_written_is_one_warning_and_the_run_goes_on(tmp_path, capsys):
     """metrics.jsonl is a record, not the run's state: a failed write (here a folder in the file's place) costs that
     epoch's line and one warning saying so, never the run; the next epoch's line is written once writing works."""
-    from safety_net.metrics_log import MetricsLog
     log = MetricsLog(str(tmp_path), is_main=True, done_epochs=0)
     path = tmp_path / "metrics.jsonl"
     path.unlink()
     path.mkdir()
-    record = {"epoch": 1, "train_loss": 1.0, "test_loss": 1.0, "top1": 10.0, "top5": 50.0, "lr": 0.1,
-              "epoch_time_s": 1.0, "images_per_s": 1.0}
+    record = epoch_record(1)
     log.write(record)
     said = capsys.readouterr()
     assert said.err == (f"warning: could not write {path} (Is a directory); this epoch's line is missing from it, "
