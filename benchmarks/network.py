@@ -1,7 +1,7 @@
 """Each strategy over a link of known speed: two hosts, one rank each, the link between them shaped to a list of rates.
 
-    python -m benchmarks.network --quick            # 2 rates, per-rank batch 8: under 10 minutes on 2 cores
-    python -m benchmarks.network                    # 5 rates, 4 timed steps a row: about 75 minutes on 2 cores
+    python -m benchmarks.network --quick            # 2 rates, per-rank batch 8, fewer rows: a check of every path
+    python -m benchmarks.network                    # 5 rates, 4 timed steps a run (7 at the first rate)
     python -m benchmarks.network --rates 100mbit,30mbit --only DDP,fp16     # some rates, some rows
 
 It needs root and iproute2 (network namespaces, tc) and taskset; without them it says so in one line, exit status 2.
@@ -9,26 +9,31 @@ The two hosts are network namespaces joined by a veth pair (tests/test_multinode
 rank of the job pinned to a core of its own (taskset), one thread each; tc's token bucket (tbf) on both ends of the
 link holds each direction to the rate. Each row runs a real script with its own flags, through torchrun, a launcher
 on each host (two nodes of one process, the rendezvous on host 0), on CIFAR-100-shaped synthetic data at the CPU
-benchmark's per-rank batch (benchmarks.run: 32; 8 with --quick), float32. Each run is two epochs of --steps + 1 steps:
-the first is warm-up (PowerSGD all-reduces in full through it and compresses from the second); timed are the second
-epoch's steps after its first, each the time between two of rank 0's progress lines (--print-freq 1) as they reach
-this program: forward, backward, the communication the step waits for, the optimizer's step and the line's own small
-all-reduce, no evaluation and no start-up. As each line arrives, this program reads how many bytes each host's
-interface has sent (/proc/<launcher pid>/net/dev, in the host's namespace): the bytes of the timed steps.
+benchmark's per-rank batch (benchmarks.run: 32; 8 with --quick), float32. Each run is two epochs of --steps + 1 steps
+(three at the first rate, below): the first is warm-up (PowerSGD all-reduces in full through it and compresses from
+the second); timed are the second epoch's steps after its first (--steps of them), each the time between two of rank
+0's progress lines (--print-freq 1) as they reach this program: forward, backward, the communication the step waits
+for, the optimizer's step and the safety net's small all-reduces (its stop flag, the line's loss), no evaluation
+and no start-up. As each line arrives, this program reads how many bytes each host's interface has sent
+(/proc/<launcher pid>/net/dev, in the host's namespace): the bytes of the timed steps.
 
 At the first (fastest) rate each row also runs a third epoch and records steps 3 to --steps + 3 with --profile-steps:
-the collectives of one step of the second epoch, read from the traces as benchmarks/timeline.py reads them, and the
-bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters. Compute alone is the
-bare step (benchmarks/bare_step.py: the same per-rank batch, no process group), one process pinned on each host's
-core, both at once; the floor a rate sets is max(compute alone, bytes the busier host sends per step / rate), and
-step / floor is what each row is judged by. Then a --profile-steps timeline of DDP at the rate where its bytes take as
-long as its backward (benchmarks.timeline's lanes, into timeline.png), and what each gradient compression costs in
-learning: the loss after the same steps on the learnable synthetic set, beside DDP's and DDP's with another seed
-(two ranks on this machine, unshaped: the loss does not depend on the link).
+the collectives of the last of them (the second epoch's second step), read from the traces as benchmarks/timeline.py
+reads them, and the bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters.
+There the timed steps are those after the recorded ones, each epoch's first left out: the second epoch's last
+--steps - 1 and the third epoch's last --steps (7 with the default 4). Compute alone is the bare step
+(benchmarks/bare_step.py: the same per-rank batch, no process group), one process pinned on each host's core, both at
+once; the floor a rate sets is max(compute alone, bytes the busier host sends per step / rate), and step / floor is
+what each row is judged by. Then a --profile-steps timeline of DDP at the rate where its bytes take as long as its
+backward (benchmarks.timeline's lanes, into timeline.png), and what each gradient compression costs in learning: the
+loss after the same steps on the learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this
+machine, unshaped: the loss does not depend on the link).
 
 Writes <output-dir>/network.md (the tables), network.json and network.png (step time against rate); the tables after
 every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP) keeps the rows it measured, marked unfinished. Nothing is left
-behind: the namespaces are deleted (their link and its qdiscs with them) and every process in them ended.
+behind: the namespaces are deleted (their link and its qdiscs with them) and every process in them ended. The tables
+are made from network.json alone (markdown(); doc_with_figures() for a page's part between DOC_MARKS), so a page's
+figures can be checked against the json without running anything.
 """
 import argparse
 import contextlib
@@ -68,6 +73,10 @@ PROGRESS = re.compile(r"epoch (\d+)/\d+ step (\d+)/\d+ ")  # rank 0's line after
 # broadcast is sent by its source alone (the trace does not say which rank: half each); a recv sends nothing
 WIRE_SHARE = {"all_reduce": 1.0, "all_gather": 1.0, "broadcast": 0.5, "send": 1.0, "reduce_scatter": 0.5}
 TIMELINE_ROW = "DDP"  # the row drawn at the rate where its communication takes as long as its backward
+# the tables call a row faster or slower than DDP at a rate only where the two median steps differ by more than this
+# share of DDP's; within it, "the same". A fixed margin, chosen: network.json keeps each run's median step, not the
+# spread of its few timed steps, so the noise cannot be measured from it
+SAME_WITHIN = 0.03
 
 
 def rows() -> list[benchmark.Row]:
@@ -444,16 +453,21 @@ def markdown(results: dict, pictures: str = "") -> str:
     alone = meta["compute_alone"]["step_s"]
     drift = (f", the mean of {meta['compute_alone']['before']:.2f} before the rows and "
              f"{meta['compute_alone']['after']:.2f} after" if "after" in meta["compute_alone"] else "")
+    first = meta["rates"][0]["label"] if meta["rates"] else "the first rate"
     lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`, at commit {meta['commit']}.",
              f"Two hosts: network namespaces joined by a veth pair, one rank each, pinned to a core of its own "
              f"(taskset), one thread; the link held to each rate in both directions by tc's tbf. Per-rank batch "
-             f"{meta['batch_size']}, float32, synthetic data; each run 2 epochs of {meta['steps'] + 1} steps, the "
-             f"first warm-up. Step time: the median of the second epoch's steps after its first, each the time "
-             f"between two of rank 0's progress lines (the step's forward, backward, the communication it waits for "
-             f"and the optimizer's step; no evaluation, no start-up). Sent: each host's interface counters over "
-             f"those steps. Compute alone: {alone:.2f} s per step{drift} (`{meta['compute_alone']['command']}`, one "
-             f"pinned process per core, both at once, no communication). Floor: max(compute alone, the busier host's "
-             f"bytes per step / rate).", ""]
+             f"{meta['batch_size']}, float32, synthetic data. Each run: 2 epochs of {meta['steps'] + 1} steps, the "
+             f"first warm-up; at the first rate ({first}) 3 epochs, steps 3 to {meta['steps'] + 3} recorded with "
+             f"--profile-steps and the collectives of step {meta['steps'] + 3} (the second epoch's second) counted "
+             f"for the bytes table. Step time: the median of the timed steps, each the time between two of rank 0's "
+             f"progress lines (the step's forward, backward, the communication it waits for, the optimizer's step "
+             f"and the progress line's small all-reduces; no evaluation, no start-up). Timed: each epoch's steps "
+             f"after its first, from the second epoch on (at the first rate only those after the recorded steps): "
+             f"{timed_counts(results)}. Sent: each host's interface counters over those steps. Compute alone: "
+             f"{alone:.2f} s per step{drift} (`{meta['compute_alone']['command']}`, one pinned process per core, "
+             f"both at once, no communication). Floor: max(compute alone, the busier host's bytes per step / rate).",
+             ""]
     if meta.get("unfinished"):
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
     if meta.get("left_out"):
@@ -470,6 +484,22 @@ def markdown(results: dict, pictures: str = "") -> str:
     if any(measured(results)):
         lines += [f"![step time against link rate]({pictures}network.png)", ""]
     return "\n".join(lines)
+
+
+def timed_counts(results: dict) -> str:
+    """How many steps each rate's runs timed, from network.json: "7 a run at unshaped, 4 at 1 Gbit/s and 30 Mbit/s"."""
+    counts = {}  # the count's text: the rates with it, in order
+    for rate in results["meta"]["rates"]:
+        timed = sorted({r["steps_timed"] for r in results["runs"] if r["rate"] == rate["label"] and "steps_timed" in r})
+        if timed:
+            counts.setdefault(f"{timed[0]}" if len(timed) == 1 else f"{timed[0]}-{timed[-1]}", []).append(rate["label"])
+    said = [f"{n}{' a run' if i == 0 else ''} at {joined(labels)}" for i, (n, labels) in enumerate(counts.items())]
+    return ", ".join(said) if said else "none yet"
+
+
+def joined(words: list[str]) -> str:
+    """a; a and b; a, b and c."""
+    return " and ".join(words) if len(words) < 3 else ", ".join(words[:-1]) + " and " + words[-1]
 
 
 def cell(results: dict, name: str, rate: dict) -> str:
@@ -562,7 +592,10 @@ def goals(results: dict) -> list[str]:
         power = done.get(("DDP + PowerSGD (rank 2)", rate["label"]))
         if plain and fp16:
             speedup = plain["step_s"] / fp16["step_s"]
-            lines.append(f"- At {rate['label']}, fp16 compression {speedup:.2f}x faster than DDP (goal 1.8x: "
+            word = against_ddp(fp16["step_s"], plain["step_s"])
+            how = (f"{speedup:.2f}x faster than DDP" if word == "faster" else
+                   f"{word} {'as' if word == 'the same' else 'than'} DDP ({speedup:.2f}x its speed)")
+            lines.append(f"- At {rate['label']}, fp16 compression {how} (goal 1.8x faster: "
                          f"{'met' if speedup >= 1.8 else 'not met'}).")
         if power:
             lines.append(f"- At {rate['label']}, PowerSGD {power['step_s'] / alone:.2f}x compute alone (goal 1.3x: "
@@ -572,9 +605,12 @@ def goals(results: dict) -> list[str]:
     if any(ratio is not None for ratio in apart.values()):
         lines.append("- The counters and the collectives within 10% of each other: " +
                      (f"not for {', '.join(off)} (counters / collectives)." if off else "every row."))
-    for name in results["meta"]["rows"]:
-        if name != "DDP" and (crossing := crossover(done, name, rates)):
-            lines.append(f"- {name}: {crossing}.")
+    crossings = [f"- {name}: {crossing}." for name in results["meta"]["rows"]
+                 if name != "DDP" and (crossing := crossover(done, name, rates))]
+    if crossings:
+        lines += [f"- Each row against DDP: faster or slower where the two median steps differ by more than "
+                  f"{SAME_WITHIN:.0%} of DDP's, else the same (a fixed margin: the results keep each run's median "
+                  f"step, not the spread of its steps)."] + crossings
     return lines + [""]
 
 
@@ -588,20 +624,26 @@ def agreement(results: dict, name: str) -> float | None:
     return statistics.median(wire) / sum(counted["sent_mb"])
 
 
+def against_ddp(step_s: float, ddp_s: float) -> str:
+    """faster, slower or the same as DDP's step: the same within SAME_WITHIN of DDP's."""
+    if abs(step_s - ddp_s) <= SAME_WITHIN * ddp_s:
+        return "the same"
+    return "faster" if step_s < ddp_s else "slower"
+
+
 def crossover(done: dict, name: str, rates: list[dict]) -> str | None:
-    """Where `name` crosses DDP, from the fastest rate to the slowest: faster or slower than DDP at each rate."""
-    faster = [(r["label"], done[(name, r["label"])]["step_s"] < done[("DDP", r["label"])]["step_s"]) for r in rates
-              if (name, r["label"]) in done and ("DDP", r["label"]) in done]
-    if not faster:
+    """How `name` compares with DDP at each rate, from the fastest to the slowest (against_ddp), the rates of one
+    word together: "the same as DDP at unshaped, slower at 1 Gbit/s and 300 Mbit/s, faster at 30 Mbit/s"."""
+    words = [(r["label"], against_ddp(done[(name, r["label"])]["step_s"], done[("DDP", r["label"])]["step_s"]))
+             for r in rates if (name, r["label"]) in done and ("DDP", r["label"]) in done]
+    if not words:
         return None
-    if all(f for _, f in faster) or not any(f for _, f in faster):
-        return f"{'faster' if faster[0][1] else 'slower'} than DDP at every rate measured"
-    changes = [(a, b) for (a, fa), (b, fb) in itertools.pairwise(faster) if fa != fb]
-    if len(changes) == 1:
-        (above, below), first = changes[0], faster[0][1]
-        return (f"{'faster' if first else 'slower'} than DDP down to {above}, {'slower' if first else 'faster'} from "
-                f"{below} down (it crosses between the two)")
-    return "faster than DDP at " + ", ".join(label for label, f in faster if f) + ", slower at the others"
+    if len({word for _, word in words}) == 1:
+        return f"{words[0][1]} {'as' if words[0][1] == 'the same' else 'than'} DDP at every rate measured"
+    runs = [(word, [label for label, _ in group]) for word, group in itertools.groupby(words, key=lambda w: w[1])]
+    said = [f"{word} at {joined(labels)}" for word, labels in runs]
+    said[0] = said[0].replace(" at ", f" {'as' if runs[0][0] == 'the same' else 'than'} DDP at ", 1)
+    return ", ".join(said)
 
 
 def learning_table(results: dict) -> list[str]:
@@ -620,8 +662,9 @@ def learning_table(results: dict) -> list[str]:
         lines.append(f"| {r['name']} | {flags_text} | {r['steps']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} "
                      f"| {r['top1']:.1f} | {versus} |")
     return lines + ["", "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces "
-                    "in full through the first epoch and compresses from the second. \"DDP, another seed\" is how far "
-                    "two runs of the same method land apart: a compression's difference within it is noise.", ""]
+                    "in full through the first epoch and compresses from the second. Each row is one run. \"DDP, "
+                    "another seed\" is one measure of how far two runs of the same method land apart: a "
+                    "compression's difference within it cannot be told from noise.", ""]
 
 
 def chart(results: dict, path: Path) -> None:
@@ -675,12 +718,16 @@ DOC_MARKS = ("<!-- the figures of python -m benchmarks.network: begin -->",
 
 
 def fill_doc(doc: Path, results: dict, out: Path) -> None:
-    """The tables between the page's DOC_MARKS, with the pictures linked from the page's folder."""
-    text = doc.read_text()
+    """The tables between the page's DOC_MARKS, with the pictures (in `out`) linked from the page's folder."""
+    doc.write_text(doc_with_figures(doc.read_text(), results, os.path.relpath(out, doc.parent) + "/"))
+
+
+def doc_with_figures(text: str, results: dict, pictures: str) -> str:
+    """The page's `text` with its part between DOC_MARKS made anew from `results` (network.json's content);
+    `pictures`: the results folder as the page links it. What fill_doc writes, and what a test compares a page with."""
     head, _, rest = text.partition(DOC_MARKS[0])
     _, _, tail = rest.partition(DOC_MARKS[1])
-    pictures = os.path.relpath(out, doc.parent) + "/"
-    doc.write_text(f"{head}{DOC_MARKS[0]}\n{markdown(results, pictures)}\n{DOC_MARKS[1]}{tail}")
+    return f"{head}{DOC_MARKS[0]}\n{markdown(results, pictures)}\n{DOC_MARKS[1]}{tail}"
 
 
 def check_doc(doc: str | None) -> Path | None:
@@ -697,9 +744,9 @@ def parse_args(argv=None):
     parser = flags.Parser(prog="python -m benchmarks.network", description=__doc__.splitlines()[0],
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("--quick", action="store_true",
-                        help=f"2 rates ({QUICK_RATES}), 2 timed steps a row, per-rank batch 8, 8 learning steps, "
-                             "and without --only not the rows that change one flag of a path it runs (bf16 "
-                             "compression, no SyncBatchNorm): under 10 minutes on 2 cores")
+                        help=f"2 rates ({QUICK_RATES}), 2 timed steps a run (3 at the first rate), per-rank batch "
+                             "8, 8 learning steps, and without --only not the rows that change one flag of a path it "
+                             "runs (bf16 compression, no SyncBatchNorm): a check of every path, not figures")
     parser.add_argument("--rates", default=None,
                         help=f"comma-separated link rates as tc writes them, or unshaped (default: {RATES}; "
                              f"with --quick {QUICK_RATES})")
@@ -708,7 +755,8 @@ def parse_args(argv=None):
                              "repeatable): DDP, one bucket, fp16, bf16, PowerSGD, accumulation, ZeRO, FSDP, HSDP, "
                              "Pipeline")
     parser.add_argument("--steps", type=flags.positive_int, default=None,
-                        help="timed steps per row and rate (default: 4; 2 with --quick)")
+                        help="timed steps a run (default: 4; 2 with --quick); at the first rate, 2 x STEPS - 1 "
+                             "(a third epoch, the recorded steps left out)")
     parser.add_argument("--batch-size", type=flags.positive_int, default=None,
                         help="per-rank batch, divisible by 4 (default: 32, the CPU benchmark's; 8 with --quick)")
     parser.add_argument("--learning-steps", type=flags.non_negative_int, default=None,

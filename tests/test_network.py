@@ -75,10 +75,37 @@ def test_the_tables_come_from_the_results(tmp_path):
     assert "| DDP | 1.00 (1.00x) | 1.30 (1.08x) | 3.60 (1.00x) |" in text  # floors: 1.0, 43.1 MB / rate
     assert "| DDP | 45 all_reduce | 42.9 / 42.9 | 43.0 / 43.1 | 1.003 (+0.30 MB) |" in text
     assert "The counters and the collectives within 10% of each other: every row." in text
-    assert "fp16 compression 1.89x faster than DDP (goal 1.8x: met)" in text
-    assert "slower than DDP down to unshaped, faster from 300 Mbit/s down" in text
+    assert "fp16 compression 1.89x faster than DDP (goal 1.8x faster: met)" in text
+    assert "- DDP + fp16 compression: slower than DDP at unshaped, faster at 300 Mbit/s and 100 Mbit/s." in text
+    assert "2 a run at unshaped, 300 Mbit/s and 100 Mbit/s" in text  # the steps each run timed, from the results
     network.chart(fake_results(), tmp_path / "network.png")
     assert (tmp_path / "network.png").stat().st_size > 0
+
+
+def test_within_the_margin_a_row_is_the_same_as_ddp_not_faster_or_slower():
+    results, margin = fake_results(), network.SAME_WITHIN
+    results["runs"][1]["step_s"] = 1.0 * (1 + 0.99 * margin)  # fp16 unshaped: DDP's 1.0 plus almost the margin
+    results["runs"][3]["step_s"] = 1.3 * (1 - 0.5 * margin)  # at 300 Mbit/s: DDP's 1.3 less half of it
+    text = network.markdown(results)
+    assert "- DDP + fp16 compression: the same as DDP at unshaped and 300 Mbit/s, faster at 100 Mbit/s." in text
+    assert f"more than {margin:.0%} of DDP's, else the same" in text  # the page states the margin
+    results["runs"][1]["step_s"] = 1.0 * (1 + 1.01 * margin)  # just past it: slower
+    assert "- DDP + fp16 compression: slower than DDP at unshaped, the same at 300 Mbit/s" in network.markdown(results)
+    results["runs"][5]["step_s"] = 3.6 * 0.99  # fp16 at 100 Mbit/s: the goal's line says the same, not faster
+    assert "- At 100 Mbit/s, fp16 compression the same as DDP (1.01x its speed)" in network.markdown(results)
+
+
+def test_the_page_and_the_results_folder_hold_the_figures_of_their_json():
+    # what `python -m benchmarks.network --doc docs/network.md` would write from the committed network.json, made
+    # again here without a run: the page's part between its marks and the folder's network.md must be it, figure for
+    # figure, so that neither drifts from the json (after a change to the tables, regenerate both from the json)
+    folder = ROOT / "benchmarks" / "results" / "cpu-epyc-network"
+    results = json.loads((folder / "network.json").read_text())
+    page = (ROOT / "docs" / "network.md").read_text()
+    pictures = os.path.relpath(folder, ROOT / "docs") + "/"
+    assert page.count(network.DOC_MARKS[0]) == 1 and page.count(network.DOC_MARKS[1]) == 1
+    assert network.doc_with_figures(page, results, pictures) == page
+    assert (folder / "network.md").read_text() == network.markdown(results)
 
 
 def test_the_doc_gets_the_tables_between_its_marks(tmp_path):
