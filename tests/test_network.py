@@ -1,6 +1,7 @@
-"""python -m benchmarks.network: its input refused in one line, its tables made from its results, and (slow, as root)
-a small run on two hosts whose interface counters agree with its collectives, stopped or not, leaving nothing
-behind: no network namespace, no qdisc, no process."""
+"""python -m benchmarks.network: its input refused in one line, its tables made from its results (a row faster or
+slower than DDP only beyond the stated margin), docs/network.md and the results folder's network.md the tables of the
+committed network.json, and (slow, as root) a small run of DDP on two hosts whose interface counters are within 10% of
+its collectives, stopped or not, leaving no network namespace of its own (so no link or qdisc of it) and no process."""
 import json
 import os
 import shutil
