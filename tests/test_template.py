@@ -2,8 +2,9 @@
 distributed.py and exactly the files `python -m benchmarks.copy_size --files distributed.py` lists, copied by the
 page's command; the data functions replaced by the page's (an image folder of PNG files), the model by another
 torchvision model, ARCH renamed, --help's description rewritten. The copy trains under torchrun on 2 CPU ranks,
-stops on Ctrl-C with a checkpoint, continues, evaluates exactly at another world size, refuses another --epochs,
-and trains longer with --init-from. The copy without the safety net, made by the page's commands, learns."""
+stops on Ctrl-C with a checkpoint, continues, evaluates exactly at another world size, refuses a checkpoint of
+this collection's ARCH and another --epochs, and trains longer with --init-from. The copy without the safety net,
+made by the page's commands, learns."""
 import ast
 import contextlib
 import io
@@ -19,11 +20,13 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from processes import Run
 from script_runs import ROOT, check, load_checkpoint, read_metrics, subprocess_env
 
 from benchmarks import copy_size
+from utils import models
 
 CLASSES = 6
 
@@ -45,6 +48,7 @@ def block_after(text: str, language: str = "") -> str:
 
 # the page's Python: step 2's add_flags() and datasets(), step 3's datasets(), step 4's model, step 5's ARCH line
 DATA, DATA_OTHER, MODEL, ARCH_LINE = page_blocks("python")
+ARCH = ast.literal_eval(ARCH_LINE.split("=", 1)[1].strip())  # step 5's name
 STEP_1 = "\n### 1. Copy the script and exactly the files it imports\n"
 LEAN = "\n## Without the safety net\n"
 NORMALISATION = "- **Normalisation.**"
@@ -124,7 +128,7 @@ def template(tmp_path) -> Path:
     replace_functions(copy / "utils" / "models.py", MODEL)  # step 4: MobileNetV3
     replace_line(copy / "utils" / "models.py", "ARCH = ", ARCH_LINE)  # step 5
     script = (copy / "distributed.py").read_text()  # step 6: --help's description
-    assert DOCSTRING_END in script.splitlines()[0]
+    assert script.splitlines()[0].endswith(DOCSTRING_END)  # the words that end the file's first line
     (copy / "distributed.py").write_text(script.replace(DOCSTRING_END, DESCRIPTION, 1))
     return copy
 
@@ -155,7 +159,7 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
         (status, started.output)
     stopped_at = load_checkpoint(out)
     assert stopped_at["epoch"] == 0 and 2 <= stopped_at["step"] < 6
-    assert stopped_at["arch"] == ast.literal_eval(ARCH_LINE.split("=", 1)[1].strip())  # step 5's name
+    assert stopped_at["arch"] == ARCH  # step 5's name
     assert "features.0.0.weight" in stopped_at["model"]  # the copy's model: MobileNetV3, not ResNet-18
     assert stopped_at["model"]["classifier.3.weight"].shape[0] == CLASSES  # one output per class of the folder
 
@@ -172,6 +176,19 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
     assert evaluated["samples"] == 17
     for key in ("test_loss", "top1", "top5"):
         assert evaluated[key] == pytest.approx(records[-1][key], rel=1e-5), key
+
+    # step 5: a checkpoint with this collection's ARCH is refused in one line, left as it was
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    torch.save({**load_checkpoint(out), "arch": models.ARCH}, theirs / "checkpoint.pt")
+    before = (theirs / "checkpoint.pt").read_bytes()
+    refused = subprocess.run([sys.executable, str(template / "distributed.py")] + flags
+                             + ["--output-dir", str(theirs), "--evaluate"],
+                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and refused.stderr.strip().splitlines() == [
+        f"distributed.py: error: {theirs / 'checkpoint.pt'} is not a {ARCH} checkpoint of these scripts; it was left "
+        "untouched"], refused.stderr[-3000:]
+    assert (theirs / "checkpoint.pt").read_bytes() == before and not (theirs / "eval.json").exists()
 
     # step 8, in one process: the finished run refuses another --epochs; --init-from trains on from its weights
     python = [sys.executable, str(template / "distributed.py")]
