@@ -54,6 +54,8 @@ LEAN = "\n## Without the safety net\n"
 NORMALISATION = "- **Normalisation.**"
 DOCSTRING_END = "ResNet-18 on CIFAR-100."  # step 6: the end of distributed.py's first line, replaced by
 DESCRIPTION = "MobileNetV3 on my images."  # the page's example
+# step 8: the last line but the rule of torchrun's report, after the line of a rank that refused its flags
+POINTER = "traceback : exit status 2: distributed.py said why in one line above this report"
 
 
 def run_page_commands(commands: str, copy: Path) -> None:
@@ -190,11 +192,20 @@ def test_a_copy_with_its_own_model_and_data_trains_continues_and_evaluates_exact
         "untouched"], refused.stderr[-3000:]
     assert (theirs / "checkpoint.pt").read_bytes() == before and not (theirs / "eval.json").exists()
 
-    # step 8, in one process: the finished run refuses another --epochs; --init-from trains on from its weights
-    python = [sys.executable, str(template / "distributed.py")]
-    refused = subprocess.run(python + flags + ["--output-dir", str(out), "--epochs", "3"], cwd=tmp_path,
+    # step 8 as the page starts it: the finished run refuses another --epochs in one line, then torchrun's report,
+    # which ends by pointing at the line, and torchrun's exit status 1
+    more_epochs = flags + ["--output-dir", str(out), "--epochs", "3"]
+    refused = subprocess.run(torchrun(template / "distributed.py", 2) + more_epochs, cwd=tmp_path,
                              env=subprocess_env(), capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and f"{out / 'checkpoint.pt'} is a run with --epochs 2, not 3" in refused.stderr, \
+    line = f"distributed.py: error: {out / 'checkpoint.pt'} is a run with --epochs 2, not 3"
+    said = [text for text in refused.stderr.splitlines() if text.strip()]
+    assert refused.returncode == 1 and refused.stderr.count(line) == 1, refused.stderr[-3000:]
+    assert "ChildFailedError" in refused.stderr.split(line, 1)[1] and said[-2].strip() == POINTER, said[-12:]
+    # in one process: the line alone and exit status 2; --init-from trains on from the run's weights
+    python = [sys.executable, str(template / "distributed.py")]
+    refused = subprocess.run(python + more_epochs, cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True,
+                             timeout=120)
+    assert refused.returncode == 2 and refused.stderr.startswith(line) and refused.stderr.count("\n") == 1, \
         refused.stderr[-3000:]
     longer = tmp_path / "longer"
     trained = check(subprocess.run(python + flags + ["--epochs", "1", "--init-from", str(out / "checkpoint.pt"),
@@ -235,6 +246,27 @@ def test_a_copy_without_the_safety_net_trains_and_learns(tmp_path):
     test_loss = [float(line.split("test_loss ")[1]) for line in epochs]
     assert len(epochs) == 6 and top1[-1] >= 60 and test_loss[-1] < test_loss[0] / 2, result.stdout
     assert not list(tmp_path.glob("**/checkpoint.pt")) and not (tmp_path / "runs").exists()
+
+
+def test_torchruns_report_after_a_refusal_ends_by_pointing_at_its_line(tmp_path, monkeypatch, capsys):
+    """Step 8 under torchrun: a rank that refuses in one line (exit status 2) leaves an error file from which
+    torchrun's report (ChildFailedError, as torchrun formats it) ends by pointing at that line, not with a link to
+    torch's docs; the line itself is said once, above the report."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    from utils import errors
+    error_file = tmp_path / "error.json"  # torchrun gives each rank its own
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    monkeypatch.setenv("LOCAL_RANK", "0")  # the rank that prints the line
+    monkeypatch.setattr(sys, "argv", ["distributed.py"])
+    monkeypatch.setattr("signal.signal", lambda *_: None)  # exit_process resets SIGCHLD: not in the test process
+    refusal = "runs/distributed/checkpoint.pt is a run with --epochs 4, not 8"
+    with pytest.raises(SystemExit) as exited:
+        errors.exit_with_line(refusal, 2)
+    assert exited.value.code == 2 and capsys.readouterr().err == f"distributed.py: error: {refusal}\n"
+    failure = ProcessFailure(local_rank=0, pid=1, exitcode=2, error_file=str(error_file))
+    report = ChildFailedError("distributed.py", {0: failure}).format_msg().splitlines()
+    assert report[-2].strip() == POINTER and refusal not in "\n".join(report), report
 
 
 def test_the_page_counts_each_copy_as_the_command_does(capsys):

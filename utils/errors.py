@@ -1,5 +1,6 @@
 """Errors the user can act on are reported as one line on stderr, never as a traceback."""
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -87,7 +88,19 @@ def exit_with_line(message: str, status: int):
         for signum in (signal.SIGTERM, signal.SIGINT):  # not the safety net's stop handler: torchrun's SIGTERM ends it
             signal.signal(signum, signal.SIG_DFL)
         time.sleep(30.0)
+    tell_torchrun(status)
     exit_process(status)
+
+
+def tell_torchrun(status: int) -> None:
+    """Under torchrun, whose report after a rank's non-zero exit (ChildFailedError) ends with what the rank's error
+    file (TORCHELASTIC_ERROR_FILE) holds, else with a link to torch's docs: that file, in the format of torch's
+    ErrorHandler, holding a pointer to this script's line above the report (not the line again: it is said once)."""
+    if path := os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        said = f"exit status {status}: {os.path.basename(sys.argv[0])} said why in one line above this report"
+        with contextlib.suppress(OSError), open(path, "w") as f:
+            json.dump({"message": {"message": said, "extraInfo": {"py_callstack": said,
+                                                                  "timestamp": str(int(time.time()))}}}, f)
 
 
 def exit_process(status: int):
@@ -112,6 +125,7 @@ def exit_on_error(crash_report=None):
     except (FileNotFoundError, NotADirectoryError, IsADirectoryError, PermissionError) as error:
         # your datasets(), say: a path only this rank may lack
         print_line(f"{missing_file_line(error)} (check --data-dir and the paths given)", rank_named=True)
+        tell_torchrun(UsageError.exit_status)
         exit_process(UsageError.exit_status)
     except Exception as error:  # a rank that fails ends the run: the launcher (torchrun, spawn) stops the others
         if _raised_in(error, "init_process_group", "torchrun_restart_store"):  # the ranks never met
