@@ -490,8 +490,9 @@ class Checkpoint:
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
         if self.env.is_main and state["epoch"] < self.options.epochs:  # else the script says nothing is left
-            print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} "
-                  f"(checkpoint of {state['world_size']} process(es), global batch {state['batch_size']})", flush=True)
+            print(f"resuming from {path}: epoch {state['epoch'] + 1}, step {state['step']} (checkpoint of "
+                  f"{state['world_size']} process(es), global batch {state['batch_size']}) on {self.env.world_size}",
+                  flush=True)
         return state["epoch"], state["step"]
 
     def restore(self, state: dict, path: str) -> None:

@@ -1,7 +1,7 @@
 """Runs a training script as its launcher would, with things only a test needs (each optional, before the script):
 
     torchrun --nproc_per_node=2 tests/script_driver.py [--graph-path-on-cpu] [--host-reads FILE [--sync-waits]]
-        [--fail-at-step N] [--teardown-log FILE] distributed_apex.py ...
+        [--fail-at-step N] [--teardown-log FILE] [--model NAME] [--step-seconds S] distributed_apex.py ...
 
 --graph-path-on-cpu: the scripts refuse --cuda-graphs without a GPU; with this, the refusal is left out, so each
   step goes through speed.cuda_graphs.CapturedSteps and is called directly where a GPU would replay its graph.
@@ -14,6 +14,10 @@
   "wait" line; the capture of --cuda-graphs (once a run: torch.cuda.graph synchronises before it) is not counted.
 --fail-at-step N: rank 0's safety net raises RuntimeError("injected failure at step N") in step_done at global
   step N (counted from the first epoch's first step), before its bookkeeping: an error past --cuda-graphs' capture.
+--model NAME: the model the script builds, changed as tests/distributed_helpers.py's MODELS[NAME] says ("float64":
+  float64 on 8x8 averages of the images, so that runs at different world sizes compare to 1e-9, not chaotically).
+--step-seconds S: each step lasts at least S seconds (a sleep before the safety net's step_done): a run slow enough
+  for a test to act in the middle of an epoch (start or kill a machine) whatever the machine's speed.
 --teardown-log FILE: each rank appends a line to FILE, in the order they run, for each CapturedSteps.close() (the
   graph it held, and what it holds after) and for dist.destroy_process_group().
 """
@@ -31,7 +35,7 @@ from torch.overrides import TorchFunctionMode
 ROOT = Path(__file__).resolve().parent.parent
 # the driver's own options, each with whether it takes a value
 OPTIONS = {"--graph-path-on-cpu": False, "--host-reads": True, "--sync-waits": False, "--fail-at-step": True,
-           "--teardown-log": True}
+           "--teardown-log": True, "--model": True, "--step-seconds": True}
 sys.path.insert(0, str(ROOT))
 
 
@@ -133,6 +137,30 @@ def fail_at_step(step: int) -> None:
     SafetyNet.step_done = failing_step_done
 
 
+def change_model(name: str) -> None:
+    """The scripts' model built, then changed as MODELS[name] says (the change test_scripts_equal's ranks make)."""
+    from distributed_helpers import MODELS
+
+    from utils import models
+    for change in MODELS[name]:
+        models.resnet18_cifar = change(models.resnet18_cifar)
+
+
+def paced_steps(seconds: float) -> None:
+    """Each step lasts at least `seconds`: SafetyNet.step_done sleeps out what the step left of them first."""
+    import time
+
+    from safety_net import SafetyNet
+    step_done, last = SafetyNet.step_done, [time.monotonic()]
+
+    def paced_step_done(self, loss, grad_norm=None):
+        time.sleep(max(0.0, last[0] + seconds - time.monotonic()))
+        last[0] = time.monotonic()
+        return step_done(self, loss, grad_norm)
+
+    SafetyNet.step_done = paced_step_done
+
+
 def log_teardown(out: str) -> None:
     """CapturedSteps.close and dist.destroy_process_group each append a line to `out` naming this rank, in the
     order they run (destroy_process_group's before it runs: a hang there still shows)."""
@@ -173,6 +201,10 @@ def main():
         fail_at_step(int(options["--fail-at-step"]))
     if "--teardown-log" in options:
         log_teardown(options["--teardown-log"])
+    if "--model" in options:
+        change_model(options["--model"])
+    if "--step-seconds" in options:
+        paced_steps(float(options["--step-seconds"]))
     host_reads = options.get("--host-reads")
     write = count_host_reads(host_reads, bool(options.get("--sync-waits"))) if host_reads else None
     try:

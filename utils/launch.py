@@ -7,6 +7,7 @@ os.environ those a start left out, so that dist.init_process_group can read them
 `torchrun_restart_store` is where the ranks meet after torchrun restarted them. The spawn scripts' parent has
 its own module, utils/spawn.py.
 """
+import contextlib
 import datetime
 import os
 import re
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from utils import flags
-from utils.errors import UsageError
+from utils.errors import UsageError, print_line
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,12 @@ def read_and_fill_environment(args) -> Env:
     and its device and backend; and fills in os.environ: what dist.init_process_group reads from it (MASTER_ADDR,
     MASTER_PORT) is written where a start left it out: srun's tasks from SLURM's variables (RANK, WORLD_SIZE and
     LOCAL_RANK too), a launcher that sets no address from --ip/--port (and --local-rank), a plain
-    `python script.py` as a world of one."""
+    `python script.py` as a world of one. Under an elastic torchrun whose next join would hang, it says so first."""
+    with contextlib.suppress(OSError), open(f"/proc/{os.getppid()}/cmdline") as agent:  # torchrun's, under torchrun
+        if joins_hang(os.environ, agent.read().split("\0")):
+            print_line("warning: under torchrun --nnodes=MIN:MAX a machine that joins this job hangs the rendezvous "
+                       "(torch's shared store); start every torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                       "(docs/fault_tolerance.md#machines-that-come-and-go)", error=False, local_rank_0_only=True)
     device_type = resolve_device(args.device)
     backend = resolve_backend(args.backend, device_type)
     flags.check_address(args.ip)
@@ -79,6 +85,19 @@ def read_and_fill_environment(args) -> Env:
     device = torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
     return Env(rank=rank, local_rank=local_rank, world_size=world_size, device=device, backend=backend,
                timeout=datetime.timedelta(seconds=args.dist_timeout))
+
+
+# torch 2.14-2.15 (dynamic_rendezvous.py's next_rendezvous): with the agents' TCPStore shared (the default since 2.4,
+# pytorch#128096) a round's MASTER_ADDR is written only by a node new to the job or newly rank 0 (pytorch#182375), so
+# a machine that joins a running job waits for it, and both agents fail after 60 s
+def joins_hang(environ, agent: list[str]) -> bool:
+    """Whether a machine joining this job would hang torchrun's rendezvous: its agents share their store
+    (TORCHELASTIC_USE_AGENT_STORE; TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 turns it off) and the agent's command line
+    `agent` gives --nnodes as a range MIN:MAX, MIN < MAX (the last one given, as --nnodes=1:2 or --nnodes 1:2)."""
+    nnodes = [word.split("=", 1)[1] if word.startswith("--nnodes=") else after
+              for word, after in zip(agent, [*agent[1:], ""], strict=False) if word.split("=")[0] == "--nnodes"]
+    low, _, high = (nnodes[-1] if nnodes else "").partition(":")
+    return environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and low != high != ""
 
 
 def torchrun_restart_store(timeout) -> dist.Store | None:
