@@ -26,6 +26,7 @@ from script_runs import ROOT, TINY, load_checkpoint, read_metrics, subprocess_en
 from benchmarks import network
 from examples.local_processes import alive, process_tree
 from utils.errors import UsageError
+from utils.launch import joins_hang
 from utils.spawn import free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
@@ -215,3 +216,14 @@ def test_without_the_rendezvous_host_the_other_machine_ends_and_says_why(hosts, 
     assert status == 1 and ended < 20, second.text()[-3000:]
     assert "RendezvousConnectionError: The connection to the C10d store has failed" in second.text()
     assert not alive(process_tree(second.proc.pid)[1:])
+
+
+@pytest.mark.parametrize("agent, shared, hangs", [
+    (["torchrun", "--nnodes=1:2", "x.py"], "True", True), (["torchrun", "--nnodes", "1:4", "x.py"], "True", True),
+    (["torchrun", "--nnodes=1:2", "x.py"], "False", False),  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 set it so
+    (["torchrun", "--nnodes=2", "x.py"], "True", False), (["torchrun", "--nnodes=2:2", "x.py"], "True", False),
+    (["torchrun", "--nnodes=1:2", "--nnodes", "2", "x.py"], "True", False),  # argparse keeps the last
+    (["torchrun", "--standalone", "x.py"], "True", False), ([], "True", False),
+    (["torchrun", "--nnodes"], "True", False)])
+def test_a_join_hangs_only_under_a_range_of_machines_with_the_store_shared(agent, shared, hangs):
+    assert joins_hang({"TORCHELASTIC_USE_AGENT_STORE": shared}, agent) is hangs
