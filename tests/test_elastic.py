@@ -117,7 +117,7 @@ def grown_and_shrunk(hosts, tmp_path_factory):
         status = first.proc.wait(timeout=WAIT_S)
         first.reader.join(timeout=10)
         return dict(first=first, second=second, out=out, grown=grown, shrunk=shrunk, status=status, killed=killed,
-                    join_pause=first_at_two - second.started, leave_pause=first_at_one - killed_at)
+                    killed_at=killed_at, join_pause=first_at_two - second.started, leave_pause=first_at_one - killed_at)
     finally:
         for machine in [first, *([second] if "second" in locals() else [])]:
             if machine.proc.poll() is None:
@@ -135,6 +135,8 @@ def test_a_join_stops_at_a_step_and_continues_at_world_2_from_it(grown_and_shrun
     assert (writers, world) == (1, 2), run["first"].text()[-3000:]
     stopped = re.search(r"stopping after step (\d+)/\d+ of epoch (\d+) with a checkpoint", run["first"].text())
     assert stopped and (int(stopped[2]), int(stopped[1])) == (epoch, step), run["first"].text()[-3000:]
+    before_the_kill = steps_printed("\n".join(line for when, line in run["first"].lines if when < run["killed_at"]))
+    assert len(before_the_kill) == len(set(before_the_kill)), f"a step done twice across the join: {before_the_kill}"
     print(f"join: {run['join_pause']:.1f} s from host 1's start to the first step at world 2")
 
 
@@ -154,10 +156,10 @@ def test_a_leave_restarts_host_0_at_world_1_from_the_newest_checkpoint(grown_and
 
 
 @pytest.mark.slow
-def test_a_join_costs_no_restart_and_a_leave_one(grown_and_shrunk):
+def test_a_join_uses_none_of_max_restarts(grown_and_shrunk):
     """Under --max-restarts=1 the run joined and left and ended with status 0: had the join used the one restart
-    (torchrun's agent restarts its workers on a join without counting it; a failed worker counts), the leave would
-    have ended host 0's torchrun with status 1. The opt-out in its environment, the warning is not printed."""
+    (torchrun's agent restarts its workers on a join without counting it; a failed worker group counts), the leave
+    would have ended host 0's torchrun with status 1. The opt-out in its environment, the warning is not printed."""
     run = grown_and_shrunk
     assert run["status"] == 0 and run["first"].text().count("resuming from") == 2
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs" not in run["first"].text()
