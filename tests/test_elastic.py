@@ -11,6 +11,7 @@ slow machine too. Every torchrun has TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: witho
 joins_hang says why).
 """
 import contextlib
+import json
 import os
 import re
 import signal
@@ -50,7 +51,8 @@ class Machine:
             f"--rdzv-endpoint={network.ADDRESSES[0]}:{PORT}", "--rdzv-id=elastic", f"--rdzv-conf={rdzv}",
             f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "tests" / "script_driver.py"), "--model", "float64",
             "--step-seconds", "1", "distributed.py", *TRAINING, "--output-dir", str(output_dir)]
-        env = subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+        env = subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                             LOGLEVEL="INFO")  # the agent's lines, among them each restart and what it counts
         self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
@@ -156,12 +158,16 @@ def test_a_leave_restarts_host_0_at_world_1_from_the_newest_checkpoint(grown_and
 
 
 @pytest.mark.slow
-def test_a_join_uses_none_of_max_restarts(grown_and_shrunk):
-    """Under --max-restarts=1 the run joined and left and ended with status 0: had the join used the one restart
-    (torchrun's agent restarts its workers on a join without counting it; a failed worker group counts), the leave
-    would have ended host 0's torchrun with status 1. The opt-out in its environment, the warning is not printed."""
+def test_a_join_uses_no_restart_and_a_leave_one(grown_and_shrunk):
+    """Under --max-restarts=1 the run joined and left and ended with status 0: host 0's agent restarted its workers
+    on the join without counting it, and on the leave counted the one restart it had (its own log lines). The
+    opt-out in its environment, the warning is not printed."""
     run = grown_and_shrunk
-    assert run["status"] == 0 and run["first"].text().count("resuming from") == 2
+    text = run["first"].text()
+    assert run["status"] == 0 and text.count("resuming from") == 2
+    assert text.count("Detected 1 new nodes from group_rank=0; will restart worker group") == 1, text[-3000:]
+    assert text.count("Worker group FAILED. 1/1 attempts left; will restart worker group") == 1, text[-3000:]
+    assert "attempts left" not in text.split("Detected 1 new nodes")[0]  # nothing counted before the join
     assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (docs" not in run["first"].text()
 
 
@@ -196,6 +202,13 @@ def test_the_run_that_grew_and_shrank_computes_what_one_process_computes(grown_a
         torch.testing.assert_close(got["model"][name], tensor, rtol=1e-7, atol=1e-9, msg=name)
     for mine, theirs in zip(read_metrics(run["out"]), read_metrics(tmp_path), strict=True):
         assert mine["test_loss"] == pytest.approx(theirs["test_loss"], rel=1e-7)
+    # --evaluate of its last checkpoint, in one process: the run's own last evaluation (at world 1), every image once
+    evaluated = subprocess.run(cmd[:-1] + [str(run["out"]), "--evaluate"], cwd=ROOT, env=subprocess_env(),
+                               capture_output=True, text=True, timeout=WAIT_S)
+    assert evaluated.returncode == 0, evaluated.stderr[-3000:]
+    result, last = json.loads((run["out"] / "eval.json").read_text()), read_metrics(run["out"])[-1]
+    assert result["samples"] == last["samples"] == 21 and result["top1"] == last["top1"]
+    assert result["test_loss"] == pytest.approx(last["test_loss"], rel=1e-12)
 
 
 @pytest.mark.slow
