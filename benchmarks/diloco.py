@@ -327,7 +327,8 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=flags.positive_int, default=64, help="optimizer steps counted for each")
     parser.add_argument("--learning", action="store_true",
                         help="also the learning runs: DDP and DiLoCo at each --learning-sync-every, 2 ranks each "
-                             "(about 4 minutes a run on 2 cores at the default size)")
+                             "(390-509 s a run at the default size in benchmarks/results/cpu-epyc-diloco, 2 cores "
+                             "shared with other jobs)")
     parser.add_argument("--learning-sync-every", type=sync_every_list, default=[4, 16, 64], metavar="H,H,...",
                         help="the learning runs' values of H (default: 4,16,64)")
     parser.add_argument("--train-samples", type=flags.positive_int, default=2048,
