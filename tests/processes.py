@@ -1,4 +1,6 @@
-"""Training commands started as a user starts them, read line by line, and the processes they leave."""
+"""Training commands started as a user starts them, read line by line, and the processes they leave; the two hosts
+(network namespaces) that the tests across machines run them on."""
+import contextlib
 import os
 import signal
 import subprocess
@@ -7,9 +9,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 from script_runs import ROOT, subprocess_env
 
 from examples.local_processes import alive, process_tree
+from utils.errors import UsageError
 
 
 def rank_process(launcher_pid: int, rank: int) -> int:
@@ -109,3 +113,32 @@ def run_clocked(cmd: list[str], timeout: float = 120) -> Clocked:
         reader.join(10)
     stderr = "".join(line for _, line in stderr_lines)
     return Clocked(subprocess.CompletedProcess(cmd, proc.returncode, "".join(stdout), stderr), stderr_lines, ended)
+
+
+def processes_naming(path) -> list[str]:
+    """The pids of the processes whose command line names `path` (a test's own folder: what it started there)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(path).encode() in (entry / "cmdline").read_bytes():
+                found.append(entry.name)
+        except OSError:
+            pass
+    return found
+
+
+@contextlib.contextmanager
+def two_hosts(prefix: str = "ddp-test"):
+    """benchmarks.network's two hosts: network namespaces joined by a veth pair, host i at network.ADDRESSES[i] on
+    its interface network.INTERFACES[i], removed afterwards with every process in them; skipped without root,
+    iproute2, tc and taskset."""
+    from benchmarks import network  # only where hosts are made: the benchmark's modules take a while to import
+    hosts = network.TwoHosts(prefix)
+    try:
+        hosts.__enter__()
+    except UsageError as why:
+        pytest.skip(str(why))
+    try:
+        yield hosts
+    finally:
+        hosts.__exit__()

@@ -7,9 +7,9 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from processes import processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
 from benchmarks import diloco
@@ -125,11 +125,4 @@ def test_ctrl_c_during_a_run_keeps_the_runs_done_and_leaves_nothing(tmp_path):
     assert len(results["learning"][0]["epochs"]) == 1 and results["counts"][0]["all_reduces_per_step"]
     text = (out / "diloco.md").read_text()
     assert "**Unfinished:**" in text and "| `distributed_diloco.py --sync-every 1` | not measured" in text
-    ours = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(tmp_path).encode() in (entry / "cmdline").read_bytes():
-                ours.append(entry.name)
-        except OSError:
-            pass
-    assert not ours, ours
+    assert not (ours := processes_naming(tmp_path)), ours

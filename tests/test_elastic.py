@@ -22,11 +22,11 @@ import time
 
 import pytest
 import torch
+from processes import two_hosts
 from script_runs import ROOT, TINY, load_checkpoint, read_metrics, subprocess_env
 
 from benchmarks import network
 from examples.local_processes import alive, process_tree
-from utils.errors import UsageError
 from utils.launch import joins_hang
 from utils.spawn import free_port
 
@@ -90,15 +90,8 @@ class Machine:
 
 @pytest.fixture(scope="module")
 def hosts():
-    made = network.TwoHosts("elastic-test")
-    try:
-        made.__enter__()
-    except UsageError as why:
-        pytest.skip(str(why))
-    try:
+    with two_hosts("elastic-test") as made:
         yield made
-    finally:
-        made.__exit__()
 
 
 @pytest.fixture(scope="module")

@@ -1,16 +1,15 @@
 """Several machines, played on one host: each test starts two launcher processes ("machines") of one
 rank each, and their 2-rank job must end with the weights of the same job on one machine, to the bit."""
-import contextlib
 import subprocess
 import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
+from processes import two_hosts
 from script_runs import ROOT, TINY, load_checkpoint, subprocess_env
 
 from benchmarks import network
-from utils.errors import UsageError
 from utils.launch import first_host, slurm_address
 from utils.spawn import free_port
 
@@ -130,21 +129,6 @@ def test_machines_that_disagree_on_the_job_are_stopped_before_training(tmp_path)
         assert len(ours) == 1 and f"not all processes joined at 127.0.0.1:{port}" in ours[0], machine.stderr[-3000:]
         assert "with the same --nnodes and --nprocs?" in ours[0] and "Traceback" not in machine.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
-
-
-@contextlib.contextmanager
-def two_hosts():
-    """benchmarks.network's two hosts: network namespaces joined by a veth pair, host i at network.ADDRESSES[i] on
-    its interface network.INTERFACES[i], removed afterwards; skipped without root, iproute2, tc and taskset."""
-    hosts = network.TwoHosts("ddp-test")
-    try:
-        hosts.__enter__()
-    except UsageError as why:
-        pytest.skip(str(why))
-    try:
-        yield hosts
-    finally:
-        hosts.__exit__()
 
 
 @pytest.mark.slow

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from processes import processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
 from benchmarks import network
@@ -145,14 +146,7 @@ def assert_nothing_left(pid: int, tmp_path: Path) -> None:
     """No namespace of the benchmark's (named for its pid), so no link or qdisc of it, and no process of its runs."""
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert f"ddp-network-{pid}-" not in names, names
-    ours = []
-    for entry in Path("/proc").iterdir():
-        try:
-            if entry.name.isdigit() and str(tmp_path).encode() in (entry / "cmdline").read_bytes():
-                ours.append(entry.name)
-        except OSError:
-            pass
-    assert not ours, ours
+    assert not (ours := processes_naming(tmp_path)), ours
 
 
 def agreement(results: dict, rate: str) -> float:
