@@ -269,7 +269,8 @@ def learning_table(results: dict) -> list[str]:
     steps = [per_epoch * (e + 1) for e in range(learning["epochs"])]
     lines = ["### What it costs in learning", "",
              f"2 ranks under torchrun (`python -m torch.distributed.run --standalone --nproc_per_node=2`, "
-             f"OMP_NUM_THREADS=1), float32, the synthetic set: {learning['train_samples']} training images in global "
+             f"OMP_NUM_THREADS={learning['omp_num_threads']}), float32, the synthetic set: "
+             f"{learning['train_samples']} training images in global "
              f"batches of {GLOBAL_BATCH} ({per_epoch} steps an epoch), {learning['epochs']} epochs, `--lr {LR}` on "
              f"the scripts' cosine, {TEST_SAMPLES} held-out images; each script's other flags at their defaults. "
              "Held-out top-1 and loss after each epoch and the last epoch's training loss (the mean over its steps "
@@ -358,7 +359,8 @@ def main(argv=None):
     meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
             "torch": torch.__version__, "command": command, "commit": git_commit(), "ranks": args.ranks,
             "learning": {"rows": rows, "train_samples": args.train_samples, "epochs": args.epochs,
-                         "run_timeout_s": args.run_timeout} if rows else None}
+                         "run_timeout_s": args.run_timeout,
+                         "omp_num_threads": benchmark.threads_env(2)["OMP_NUM_THREADS"]} if rows else None}
     results = {"meta": meta, "counts": [], "learning": []}
     stages, started = 1 + len(rows), time.perf_counter()
 

@@ -462,8 +462,9 @@ def markdown(results: dict, pictures: str = "") -> str:
              f"--profile-steps and the collectives of step {meta['steps'] + 3} (the second epoch's second) counted "
              f"for the bytes table. Step time: the median of the timed steps, each the time between two of rank 0's "
              f"progress lines (the step's forward, backward, the communication it waits for, the optimizer's step "
-             f"and the progress line's small all-reduces; no evaluation, no start-up). Timed: each epoch's steps "
-             f"after its first, from the second epoch on (at the first rate only those after the recorded steps): "
+             f"and the safety net's small all-reduces: the stop flag, the line's loss; no evaluation, no start-up). "
+             f"Timed: each epoch's steps after its first, from the second epoch on (at the first rate only those "
+             f"after the recorded steps): "
              f"{timed_counts(results)}. Sent: each host's interface counters over those steps. Compute alone: "
              f"{alone:.2f} s per step{drift} (`{meta['compute_alone']['command']}`, one pinned process per core, "
              f"both at once, no communication). Floor: max(compute alone, the busier host's bytes per step / rate).",

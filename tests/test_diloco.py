@@ -261,7 +261,7 @@ def counted(rank: int, world_size: int) -> list[dict]:
 def test_a_round_sends_one_all_reduce_of_ddps_bytes_so_h_steps_send_1_over_h(tmp_path):
     """Counted on 2 ranks over 8 steps of each script's train_one_epoch (benchmarks/diloco.py): DiLoCo's only
     collective is one all-reduce a round, of the pseudo-gradients (every parameter, as DDP's all-reduces of the
-    gradients each step) and BatchNorm's running statistics; at H = 4 a quarter of DDP's bytes (and of its calls)."""
+    gradients each step) and BatchNorm's running statistics; at H = 4 a quarter of DDP's bytes, in 2 calls."""
     ddp, every, fourth = on_ranks(WORKERS, counted, results_dir=tmp_path)[0]
     model = models.resnet18_cifar()
     parameters = 4 * sum(p.numel() for p in model.parameters())

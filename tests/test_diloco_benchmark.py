@@ -52,7 +52,8 @@ def fake_results() -> dict:
                 {**rows[1], "command": "torchrun ...", "error": "still running after 9 s: stopped", "wall_s": 9.2}]
     meta = {"hardware": "2 cores of a CPU, no GPU, torch 2.x", "command": "python -m benchmarks.diloco --learning",
             "commit": "abc1234", "ranks": 2, "unfinished": "2 of 3 learning runs done",
-            "learning": {"rows": rows, "train_samples": 64, "epochs": 2, "run_timeout_s": 9}}
+            "learning": {"rows": rows, "train_samples": 64, "epochs": 2, "run_timeout_s": 9,
+                         "omp_num_threads": "3"}}
     return {"meta": meta, "counts": counts, "learning": learning}
 
 
@@ -61,6 +62,7 @@ def test_the_tables_come_from_the_results():
     assert text.startswith("Hardware: 2 cores of a CPU, no GPU, torch 2.x. Command: `python -m benchmarks.diloco "
                            "--learning`, at commit abc1234.")
     assert "**Unfinished:** 2 of 3 learning runs done" in text
+    assert "`python -m torch.distributed.run --standalone --nproc_per_node=2`, OMP_NUM_THREADS=3)" in text
     assert f"| {diloco.DDP_COUNTED} | 2.75 | 1.000 | 1.0000 |" in text
     assert "| `distributed_diloco.py --sync-every 4` | 0.25 | 0.250 | 0.2500 |" in text
     assert "DDP's all-reduces, step by step: 2 in step 1, 3 in each of steps 2-4." in text
@@ -126,3 +128,14 @@ def test_ctrl_c_during_a_run_keeps_the_runs_done_and_leaves_nothing(tmp_path):
     text = (out / "diloco.md").read_text()
     assert "**Unfinished:**" in text and "| `distributed_diloco.py --sync-every 1` | not measured" in text
     assert not (ours := processes_naming(tmp_path)), ours
+
+
+def test_the_page_and_the_results_folder_hold_the_tables_of_their_json():
+    """benchmarks/results/cpu-epyc-diloco/diloco.md is what markdown() makes of the diloco.json beside it, and
+    docs/diloco.md's table rows are that file's, in its order: a page and its file cannot drift apart."""
+    folder = ROOT / "benchmarks" / "results" / "cpu-epyc-diloco"
+    made = diloco.markdown(json.loads((folder / "diloco.json").read_text()))
+    assert (folder / "diloco.md").read_text() == made
+    page = (ROOT / "docs" / "diloco.md").read_text()
+    assert [line for line in page.splitlines() if line.startswith("|")] == [
+        line for line in made.splitlines() if line.startswith("|")]
