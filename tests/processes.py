@@ -142,3 +142,17 @@ def two_hosts(prefix: str = "ddp-test"):
         yield hosts
     finally:
         hosts.__exit__()
+
+
+def interrupted(proc: subprocess.Popen, starts: str, timeout: float) -> tuple[str, str]:
+    """Ctrl-C's SIGINT to `proc` (a benchmark in a session of its own, stdout and stderr piped) once a line of its
+    stdout starts with `starts`; then its (stdout, stderr). Still running `timeout` s later: killed with its session."""
+    try:
+        for line in proc.stdout:
+            if line.startswith(starts):
+                break
+        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends it (the runs it starts have sessions of their own)
+        return proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)

@@ -3,13 +3,12 @@ figures read from a metrics.jsonl as the scripts write it, a run past its time l
 started, and (slow) a benchmark stopped by Ctrl-C during a learning run that keeps what it measured and leaves no
 process. What it counts is tests/test_diloco.py's."""
 import json
-import os
 import signal
 import subprocess
 import sys
 
 import pytest
-from processes import processes_naming
+from processes import interrupted, processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
 from benchmarks import diloco
@@ -111,15 +110,8 @@ def test_ctrl_c_during_a_run_keeps_the_runs_done_and_leaves_nothing(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "benchmarks.diloco", *SMALL, "--output-dir", str(out)], cwd=ROOT,
                             env=subprocess_env(TMPDIR=str(tmp_path / "tmp")), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        for line in proc.stdout:  # [1/4] the counts, [2/4] DDP's run, then its line; stopped during H = 1's run
-            if line.startswith("[3/4] DiLoCo H = 1: torchrun"):
-                break
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the benchmark (its runs have sessions of their own)
-        stdout, stderr = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    # [1/4] the counts, [2/4] DDP's run, then its line: stopped during H = 1's run
+    _, stderr = interrupted(proc, "[3/4] DiLoCo H = 1: torchrun", timeout=120)
     assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("stopped by Ctrl-C after 1 of 3 learning runs"), stderr[-3000:]
     results = json.loads((out / "diloco.json").read_text())

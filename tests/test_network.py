@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from processes import processes_naming
+from processes import interrupted, processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
 from benchmarks import network
@@ -180,15 +180,7 @@ def test_two_hosts_counters_agree_with_the_collectives_and_nothing_is_left(two_h
 @pytest.mark.timeout(480)
 def test_ctrl_c_keeps_the_rows_measured_and_leaves_nothing(two_hosts_possible, tmp_path):
     proc = start([*SMALL, "--rates", "unshaped,30mbit", "--no-timeline"], tmp_path)
-    try:
-        for line in proc.stdout:  # [1/5] compute alone, [2/5] the unshaped row: then stopped during the next
-            if line.startswith("[2/"):
-                break
-        proc.send_signal(signal.SIGINT)  # what Ctrl-C sends the benchmark (its launchers have sessions of their own)
-        stdout, stderr = proc.communicate(timeout=180)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    _, stderr = interrupted(proc, "[2/", timeout=180)  # [1/5] compute alone, [2/5] the unshaped row: then the next
     assert proc.returncode == 128 + signal.SIGINT, stderr[-3000:]
     assert stderr.strip().splitlines()[-1].startswith("stopped by Ctrl-C after 1 of 2 runs"), stderr[-3000:]
     results = json.loads((tmp_path / "out" / "network.json").read_text())
