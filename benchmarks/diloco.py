@@ -19,16 +19,14 @@ training loss are read from its metrics.jsonl, and its wall time is measured her
 
 Writes <output-dir>/diloco.md (the tables) and diloco.json, each replaced whole after the counts and after every run,
 so a benchmark stopped (Ctrl-C, SIGTERM, SIGHUP) keeps what it measured, marked unfinished; a run stopped meanwhile
-gets SIGTERM, which torchrun passes to its ranks, and whatever of it still runs after 60 s is killed.
+gets SIGTERM, which torchrun passes to its ranks, and whatever of it still runs after 30 s is killed
+(benchmarks.run's run_stoppable, which also ends a run past --run-timeout).
 """
-import contextlib
 import copy
 import json
-import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +45,6 @@ from benchmarks import network
 from benchmarks import run as benchmark
 from benchmarks.commit import git_commit
 from benchmarks.sharding import CountedCollectives
-from examples.local_processes import alive, process_tree
 from utils import flags, models
 from utils.spawn import free_port
 
@@ -163,37 +160,6 @@ def as_typed(row: dict, train_samples: int, epochs: int) -> str:
                        *workload(train_samples, epochs)])
 
 
-def run_with_limit(command: list[str], limit_s: float) -> subprocess.CompletedProcess:
-    """`command` from the repository's root, its output captured, in a session of its own (a terminal's Ctrl-C
-    reaches this program alone, which stops the run as below). Stopped (Ctrl-C, SIGTERM) or past `limit_s` (exit
-    status 124): benchmarks.network's stop (SIGTERM to torchrun, which passes it to its ranks; 60 s, then SIGKILL to
-    its session), then SIGKILL to every process of the run still alive (torchrun starts each rank in a session of
-    its own, out of reach of its launcher's session)."""
-    with subprocess.Popen(command, cwd=benchmark.ROOT, env=benchmark.threads_env(2), stdout=subprocess.PIPE,
-                          stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=limit_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as stopped:
-            end_run(proc)
-            if isinstance(stopped, KeyboardInterrupt):
-                raise
-            stdout, stderr = proc.communicate()
-            return subprocess.CompletedProcess(command, 124, stdout, stderr)
-    return subprocess.CompletedProcess(command, proc.returncode, stdout, stderr)
-
-
-def end_run(proc: subprocess.Popen) -> None:
-    """The launcher `proc` and every process below it ended (see run_with_limit)."""
-    started = process_tree(proc.pid)
-    network.stop([proc])
-    for pid in alive(started):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while alive(started) and time.monotonic() < deadline:
-        time.sleep(0.05)
-
-
 def read_epochs(output_dir: Path) -> list[dict]:
     """Each epoch's line of a run's metrics.jsonl (safety_net/metrics_log.py): the epoch (from 1), the held-out top-1
     and loss after it, the mean training loss over its steps and ranks, and its time."""
@@ -209,7 +175,7 @@ def learn(row: dict, args) -> dict:
         command = benchmark.launch(benchmark.Row(row["name"], row["script"], "torchrun"), 2) + row["flags"] + \
             workload(args.train_samples, args.epochs) + ["--output-dir", out]
         started = time.perf_counter()
-        result = run_with_limit(command, args.run_timeout)
+        result = benchmark.run_stoppable(command, benchmark.threads_env(2), limit_s=args.run_timeout)
         said["wall_s"] = time.perf_counter() - started
         if result.returncode:
             return {**said, "error": f"still running after {args.run_timeout} s: stopped" if result.returncode == 124

@@ -56,6 +56,7 @@ from tqdm import tqdm
 from benchmarks.bare_step import flops_per_image
 from benchmarks.commit import git_commit
 from examples import own_lighthouse
+from examples.local_processes import alive, process_tree
 from utils import flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -247,23 +248,35 @@ def launch(row: Row, nprocs: int) -> list[str]:
     return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
 
 
-def run_stoppable(cmd: list[str], env: dict) -> subprocess.CompletedProcess:
+def run_stoppable(cmd: list[str], env: dict, limit_s: float | None = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd) from the repository's root, its output captured. When the benchmark is stopped
-    meanwhile (Ctrl-C, SIGTERM), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s
-    to exit (then SIGKILL): no rank outlives the benchmark or writes into its row's directory once removed.
-    The launcher runs in a session of its own, so that SIGTERM is the one signal it gets: a terminal's Ctrl-C
-    reaching torchrun too would cut short its wait for its ranks."""
+    meanwhile (Ctrl-C, SIGTERM), or the run is still going after `limit_s` seconds (its result then has exit status
+    124), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s to exit (then SIGKILL), and
+    every process it started that is still alive is killed (torchrun starts each rank in a session of its own): no
+    rank outlives the benchmark or writes into its row's directory once removed. The launcher runs in a session of
+    its own, so that SIGTERM is the one signal it gets: a terminal's Ctrl-C reaching torchrun too would cut short its
+    wait for its ranks."""
     with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
-            stdout, stderr = proc.communicate()
-        except KeyboardInterrupt:
+            stdout, stderr = proc.communicate(timeout=limit_s)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt) as stopped:
+            started = process_tree(proc.pid)
             proc.terminate()
             try:
-                proc.communicate(timeout=30)
+                stdout, stderr = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
-            raise
+                stdout, stderr = proc.communicate()
+            for pid in alive(started):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while alive(started) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if isinstance(stopped, KeyboardInterrupt):
+                raise
+            return subprocess.CompletedProcess(cmd, 124, stdout, stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 

@@ -12,6 +12,7 @@ from processes import interrupted, processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
 from benchmarks import diloco
+from benchmarks import run as benchmark
 from examples.local_processes import alive
 from safety_net.metrics_log import MetricsLog
 
@@ -92,7 +93,7 @@ def test_a_run_past_its_limit_is_ended_with_the_processes_it_started():
     parent = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', {child!r}], "
               "start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL); "
               "print(p.pid, flush=True); time.sleep(120)")
-    result = diloco.run_with_limit([sys.executable, "-c", parent], limit_s=1.5)
+    result = benchmark.run_stoppable([sys.executable, "-c", parent], subprocess_env(), limit_s=1.5)
     assert result.returncode == 124 and result.stdout.strip(), result
     assert not alive([int(result.stdout.split()[0])])
 
