@@ -87,7 +87,7 @@ def read_and_fill_environment(args) -> Env:
                timeout=datetime.timedelta(seconds=args.dist_timeout))
 
 
-# torch 2.14-2.15 (dynamic_rendezvous.py's next_rendezvous): with the agents' TCPStore shared (the default,
+# torch 2.14.1 (dynamic_rendezvous.py's next_rendezvous): with the agents' TCPStore shared (the default,
 # pytorch#128096) a round's MASTER_ADDR is written only by a rank 0 new to the job or newly rank 0 (pytorch#182375),
 # so a machine that joins a running job waits for it until the store's wait times out, and both agents fail
 def joins_hang(environ, agent: list[str]) -> bool:
