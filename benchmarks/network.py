@@ -595,7 +595,7 @@ def goals(results: dict) -> list[str]:
             speedup = plain["step_s"] / fp16["step_s"]
             word = against_ddp(fp16["step_s"], plain["step_s"])
             how = (f"{speedup:.2f}x faster than DDP" if word == "faster" else
-                   f"{word} {'as' if word == 'the same' else 'than'} DDP ({speedup:.2f}x its speed)")
+                   f"{than_ddp(word)} ({speedup:.2f}x its speed)")
             lines.append(f"- At {rate['label']}, fp16 compression {how} (goal 1.8x faster: "
                          f"{'met' if speedup >= 1.8 else 'not met'}).")
         if power:
@@ -625,6 +625,11 @@ def agreement(results: dict, name: str) -> float | None:
     return statistics.median(wire) / sum(counted["sent_mb"])
 
 
+def than_ddp(word: str) -> str:
+    """against_ddp's word as a phrase: "faster than DDP", "the same as DDP"."""
+    return f"{word} {'as' if word == 'the same' else 'than'} DDP"
+
+
 def against_ddp(step_s: float, ddp_s: float) -> str:
     """faster, slower or the same as DDP's step: the same within SAME_WITHIN of DDP's."""
     if abs(step_s - ddp_s) <= SAME_WITHIN * ddp_s:
@@ -640,11 +645,10 @@ def crossover(done: dict, name: str, rates: list[dict]) -> str | None:
     if not words:
         return None
     if len({word for _, word in words}) == 1:
-        return f"{words[0][1]} {'as' if words[0][1] == 'the same' else 'than'} DDP at every rate measured"
+        return f"{than_ddp(words[0][1])} at every rate measured"
     runs = [(word, [label for label, _ in group]) for word, group in itertools.groupby(words, key=lambda w: w[1])]
-    said = [f"{word} at {joined(labels)}" for word, labels in runs]
-    said[0] = said[0].replace(" at ", f" {'as' if runs[0][0] == 'the same' else 'than'} DDP at ", 1)
-    return ", ".join(said)
+    return ", ".join(f"{than_ddp(word) if i == 0 else word} at {joined(labels)}"
+                     for i, (word, labels) in enumerate(runs))
 
 
 def learning_table(results: dict) -> list[str]:
