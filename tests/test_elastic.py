@@ -98,13 +98,13 @@ def hosts():
 def grown_and_shrunk(hosts, tmp_path_factory):
     """The module's run, world 1 -> 2 -> 1: both machines, the output folder and the times of each event."""
     out = tmp_path_factory.mktemp("elastic")
-    first = Machine(hosts, 0, out)
+    machines = [first := Machine(hosts, 0, out)]
     try:
         first.wait_for(STEP)  # world 1 is training
-        second = Machine(hosts, 1, out)
+        machines.append(second := Machine(hosts, 1, out))
         joined, grown = first.wait_for(RESUMED, after=second.started)
         first_at_two, _ = first.wait_for(STEP, after=joined)
-        two_steps_at_two, _ = first.wait_for(STEP, after=first.wait_for(STEP, after=first_at_two)[0])
+        first.wait_for(STEP, after=first.wait_for(STEP, after=first_at_two)[0])  # two more steps at world 2
         killed_at = time.monotonic()
         killed = second.kill()
         left, shrunk = first.wait_for(RESUMED, after=killed_at)
@@ -114,7 +114,7 @@ def grown_and_shrunk(hosts, tmp_path_factory):
         return dict(first=first, second=second, out=out, grown=grown, shrunk=shrunk, status=status, killed=killed,
                     killed_at=killed_at, join_pause=first_at_two - second.started, leave_pause=first_at_one - killed_at)
     finally:
-        for machine in [first, *([second] if "second" in locals() else [])]:
+        for machine in machines:
             if machine.proc.poll() is None:
                 machine.kill()
 
