@@ -36,6 +36,7 @@ keeps the rows it measured, marked unfinished.
 """
 import contextlib
 import importlib.util
+import itertools
 import json
 import os
 import platform
@@ -56,10 +57,12 @@ from tqdm import tqdm
 from benchmarks.bare_step import flops_per_image
 from benchmarks.commit import git_commit
 from examples import own_lighthouse
-from examples.local_processes import alive, process_tree
+from examples.local_processes import carrying
 from utils import flags, precision
 
 ROOT = Path(__file__).resolve().parent.parent
+RUN_MARK = "DDP_BENCHMARK_RUN"  # run_stoppable's mark in the environment of all a run starts
+_runs = itertools.count()
 EPOCH_IMAGES = 50_000
 WORKERS = "4"  # the scripts' default --workers
 BARE_STEP = "benchmarks/bare_step.py"
@@ -248,31 +251,32 @@ def launch(row: Row, nprocs: int) -> list[str]:
     return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
 
 
-def run_stoppable(cmd: list[str], env: dict, limit_s: float | None = None) -> subprocess.CompletedProcess:
+def run_stoppable(cmd: list[str], env: dict | None, limit_s: float | None = None) -> subprocess.CompletedProcess:
     """subprocess.run(cmd) from the repository's root, its output captured. When the benchmark is stopped
     meanwhile (Ctrl-C, SIGTERM), or the run is still going after `limit_s` seconds (its result then has exit status
     124), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s to exit (then SIGKILL), and
-    every process it started that is still alive is killed (torchrun starts each rank in a session of its own): no
-    rank outlives the benchmark or writes into its row's directory once removed. The launcher runs in a session of
-    its own, so that SIGTERM is the one signal it gets: a terminal's Ctrl-C reaching torchrun too would cut short its
-    wait for its ranks."""
-    with subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    every process it started that is still alive is killed: no rank outlives the benchmark or writes into its row's
+    directory once removed. The launcher runs in a session of its own, so that SIGTERM is the one signal it gets: a
+    terminal's Ctrl-C reaching torchrun too would cut short its wait for its ranks."""
+    # What it started is found by a mark in their environment, not as the launcher's children: torchrun starts each
+    # rank in a session of its own, and a rank it was starting as the signal came is not in any list of its own
+    mark = f"{os.getpid()}-{next(_runs)}"
+    with subprocess.Popen(cmd, cwd=ROOT, env={**(os.environ if env is None else env), RUN_MARK: mark},
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
         try:
             stdout, stderr = proc.communicate(timeout=limit_s)
         except (subprocess.TimeoutExpired, KeyboardInterrupt) as stopped:
-            started = process_tree(proc.pid)
             proc.terminate()
             try:
                 stdout, stderr = proc.communicate(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 stdout, stderr = proc.communicate()
-            for pid in alive(started):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
             deadline = time.monotonic() + 10
-            while alive(started) and time.monotonic() < deadline:
+            while (left := carrying(RUN_MARK, mark)) and time.monotonic() < deadline:
+                for pid in left:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
                 time.sleep(0.05)
             if isinstance(stopped, KeyboardInterrupt):
                 raise

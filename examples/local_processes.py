@@ -1,5 +1,6 @@
 """The processes of this machine, read from Linux's /proc: those below a process, those of a process group or a
-session, and which are still running. Used by live_recovery_demo.py (beside it), the tests and the GPU check."""
+session, those started with a value in their environment, and which are still running. Used by
+live_recovery_demo.py (beside it), the benchmarks, the tests and the GPU check."""
 import os
 from dataclasses import dataclass
 
@@ -50,6 +51,24 @@ def process_tree(pid: int) -> list[int]:
 def alive(pids: list[int]) -> list[int]:
     """Those of pids still running (a zombie waiting for its parent to reap it counts as gone)."""
     return [pid for pid in pids if (process := stat(pid)) is not None and process.state != "Z"]
+
+
+def carrying(variable: str, value: str) -> list[int]:
+    """The live processes whose environment, as they were started with it, holds variable=value: all a program started
+    with that value in its environment and everything they started in turn (each inherits it unless
+    started with an environment of its own), whichever session they
+    are in and wherever their parent is."""
+    wanted = f"{variable}={value}".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit():
+                with open(f"/proc/{entry}/environ", "rb") as file:
+                    if wanted in file.read().split(b"\0"):
+                        found.append(int(entry))
+        except OSError:  # ended meanwhile, or another user's
+            pass
+    return alive(found)
 
 
 def group_members(pgid: int) -> list[int]:
