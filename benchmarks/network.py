@@ -190,6 +190,10 @@ class TwoHosts:
             if shaped.returncode:
                 raise UsageError(f"tc cannot shape the link to {rate['label']} here: {shaped.stderr.strip()}")
 
+    def set_link(self, up: bool) -> None:
+        """The link between the hosts down (as a pulled cable: nothing passes, no connection is reset) or up again."""
+        _ip("-n", self.names[0], "link", "set", INTERFACES[0], "up" if up else "down")
+
     def prefix(self, host: int) -> list[str]:
         """What runs a command on `host`: in its namespace, on its core."""
         return ["ip", "netns", "exec", self.names[host], "taskset", "-c", str(self.cores[host])]

@@ -2,6 +2,7 @@
 one line on stderr, its whole traceback in a file that the line names, instead of N tracebacks interleaved; the
 scripts hand `report` to utils.errors.exit_on_error (as SafetyNet.report_crash)."""
 import os
+import re
 import sys
 import tempfile
 import traceback
@@ -12,6 +13,10 @@ from utils.errors import exit_process, first_line, print_line, worker_lines
 
 # gloo's words when the other end of a connection is gone: a rank that failed, or was killed
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
+# gloo's words when a collective's peer sent nothing for the process group's timeout: a rank hangs, its machine
+# stopped, or the network between the machines is down (no reset comes over a link that is down)
+_NO_ANSWER = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+_TORCH = os.path.dirname(os.path.dirname(torch.distributed.__file__))  # torch's own files: not where a user looks
 
 
 def report(error: BaseException) -> None:
@@ -34,10 +39,10 @@ def _shown(path: str) -> str:
 
 
 def crash_line(error: BaseException) -> str:
-    """An unexpected exception as one line: its type, message and where it was raised; the whole traceback
-    goes to a file in the temporary directory, which the line names. An exception raised in a DataLoader
-    worker ("Caught ValueError in DataLoader worker process 0." and the worker's traceback) is told by the
-    worker's own last line and place."""
+    """An unexpected exception as one line: its type, message and where it was raised (a collective that timed out:
+    which, called where, and the flag that sets the wait); the whole traceback goes to a file in the temporary
+    directory, which the line names. An exception raised in a DataLoader worker ("Caught ValueError in DataLoader
+    worker process 0." and the worker's traceback) is told by the worker's own last line and place."""
     frames = traceback.extract_tb(error.__traceback__)
     where = f"{_shown(frames[-1].filename)}:{frames[-1].lineno} in {frames[-1].name}" if frames else ""
     what = f"{type(error).__name__}: {first_line(error, 200)}"
@@ -48,6 +53,8 @@ def crash_line(error: BaseException) -> str:
             filename, line, function = places[-1][6:].split(", ", 2)
             filename = _shown(filename.strip('"'))
             where = f"{filename}:{line.removeprefix('line ')} {function}"
+    elif waited := _NO_ANSWER.search(str(error)):
+        what, where = no_answer(int(waited[1]) / 1000, frames)
     path = os.path.join(tempfile.gettempdir(), f"{os.path.basename(sys.argv[0]) or 'python'}-"
                                                f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.traceback")
     try:
@@ -57,3 +64,15 @@ def crash_line(error: BaseException) -> str:
         traceback.print_exception(error)
         return f"{what} ({where})"
     return f"{what} ({where}; the traceback is in {path})"
+
+
+def no_answer(seconds: float, frames: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """(what, where) of a collective that no other rank answered for `seconds`: torch's function (all_reduce,
+    barrier, ...) and the line outside torch that called it, for the user's words."""
+    ours = [frame for frame in frames if not frame.filename.startswith(_TORCH)]
+    called = next((frame.name for frame in reversed(frames) if frame.filename.startswith(_TORCH)
+                   and "distributed_c10d" in frame.filename), "a collective")
+    where = f"{_shown(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
+    return (f"no answer from another rank for {seconds:g} s in {called} (--dist-timeout sets the wait): that rank "
+            "hangs, its machine stopped, or the network between the machines is down; once all can meet again, the "
+            "same command continues from the last checkpoint"), where

@@ -21,7 +21,6 @@ REPEAT_S or more after the first, leaves at once: no new checkpoint, the last on
 """
 import collections
 import contextlib
-import datetime
 import functools
 import multiprocessing
 import os
@@ -37,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from safety_net.checkpoint import temporary_path
+from utils import collectives
 from utils.errors import print_line
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
@@ -46,7 +46,6 @@ FIRST_STEP_S = 120  # the same for a run's first step, untimed (its warm-up: com
 SAVE_S = 5  # the stopped step's checkpoint and the exit, counted against a scheduler's SIGKILL (about 3 s here)
 REPEAT_S = 2  # a signal this soon after the first is a copy of it (the terminal's and the launcher's)
 KILL_WAIT_S = 30  # torchrun (--shutdown-timeout) and SLURM (KillWait) send SIGKILL 30 s after SIGTERM by default
-GROUP_TIMEOUT_S = 100  # the stop group's collectives
 RECENT_STEPS = 8  # the step times a stop's wait is derived from
 _LAUNCHER_GONE = "the launcher's exit"
 # the stop flag of a rank whose launcher is gone (it stops as on SIGTERM): above every signal's number, so that the
@@ -95,8 +94,8 @@ class StopSignals:
         one_step: each step waits for its own flag, so the ranks stop at the step a signal came in: for ranks
         that meet at every step anyway (DDP over gloo on the CPU); otherwise a flag is read one step later.
         is_main: this rank says where a stop lands, and warns when a scheduler's SIGKILL would come first."""
-        if world_size > 1:  # a gloo group of its own: CPU tensors, no device sync, no mix with DDP's traffic
-            self._group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
+        if world_size > 1:  # a gloo group of its own: CPU tensors, no device sync, no mix with DDP's traffic; it waits
+            self._group = collectives.new_group_like_world(backend="gloo")  # as long as the scripts' (--dist-timeout)
         self._one_step, self.is_main = one_step or world_size == 1, is_main
         self._step_started = time.monotonic()
         self.armed = True

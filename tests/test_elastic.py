@@ -10,16 +10,13 @@ one process to 1e-9; each step is paced to last 1 s (--step-seconds) so that the
 slow machine too. Every torchrun has TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: without it the join hangs (utils.launch's
 joins_hang says why).
 """
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
 
+import processes
 import pytest
 import torch
 from processes import two_hosts
@@ -38,11 +35,11 @@ TRAINING = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "96"
             "--save-every-steps", "3"]
 STEP = re.compile(r"^epoch (\d+)/\d+ step (\d+)/\d+ loss")
 RESUMED = re.compile(r"^resuming from .*: epoch (\d+), step (\d+) \(checkpoint of (\d+) process\(es\).*\) on (\d+)$")
-WAIT_S = 150  # the longest any stage may take on a slow, shared machine before the test fails
+WAIT_S = processes.Machine.WAIT_S
 
 
-class Machine:
-    """One host's torchrun, its output lines kept with the time each arrived (time.monotonic())."""
+class Machine(processes.Machine):
+    """One host's elastic torchrun."""
 
     def __init__(self, hosts, host: int, output_dir, restarts: int = 1):
         rdzv = "last_call_timeout=3" + (",is_host=1" if host == 0 else "")  # one hostname in both namespaces
@@ -51,41 +48,9 @@ class Machine:
             f"--rdzv-endpoint={network.ADDRESSES[0]}:{PORT}", "--rdzv-id=elastic", f"--rdzv-conf={rdzv}",
             f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "tests" / "script_driver.py"), "--model", "float64",
             "--step-seconds", "1", "distributed.py", *TRAINING, "--output-dir", str(output_dir)]
-        env = subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host], TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
-                             LOGLEVEL="INFO")  # the agent's lines, among them each restart and what it counts
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-
-    def wait_for(self, pattern: re.Pattern, after: float = 0.0) -> tuple[float, re.Match]:
-        """The first line past time `after` that matches, and when it came; fails the test after WAIT_S."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            for when, line in list(self.lines):
-                if when > after and (match := pattern.search(line)):
-                    return when, match
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                break
-            time.sleep(0.1)
-        pytest.fail(f"no line like {pattern.pattern!r} within {WAIT_S} s:\n{self.text()[-4000:]}")
-
-    def kill(self) -> list[int]:
-        """SIGKILL to the torchrun and every process below it, as a machine that is switched off."""
-        pids = process_tree(self.proc.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
+        super().__init__(cmd, subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host],
+                                             TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+                                             LOGLEVEL="INFO"))  # the agent's lines, among them each restart
 
 
 @pytest.fixture(scope="module")

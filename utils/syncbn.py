@@ -10,6 +10,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from utils import collectives
+
 
 class CpuSyncBatchNorm(nn.BatchNorm2d):
     """BatchNorm2d whose training-mode statistics span all ranks of the default process group.
@@ -39,8 +41,9 @@ class CpuSyncBatchNorm(nn.BatchNorm2d):
         """torch.nn.SyncBatchNorm.convert_sync_batchnorm for CPU modules. Call it on every rank after
         init_process_group: the statistics go over a process group of its own, because a DDP comm hook
         (PowerSGD) issues all-reduces from callback threads, and on a shared group their order against
-        these would differ between ranks (a collective mismatch)."""
-        group = dist.new_group() if dist.is_available() and dist.is_initialized() else None
+        these would differ between ranks (a collective mismatch). It waits for a rank as long as the default group
+        does (--dist-timeout), not torch's 30 minutes for a new group."""
+        group = collectives.new_group_like_world() if dist.is_available() and dist.is_initialized() else None
         return cls.convert(module, group)
 
     @classmethod

@@ -1,0 +1,140 @@
+"""When the link between machines fails: DDP (distributed.py, its CpuSyncBatchNorm on) under torchrun on two hosts,
+network namespaces joined by a veth pair (benchmarks.network's TwoHosts), one rank each, the link set down on host 0's
+end as a pulled cable (nothing passes, no connection is reset); skipped without root.
+
+A short outage: the run waits it out and ends on the weights of the same run never cut, bit for bit. A lasting cut:
+every process on both hosts ends about --dist-timeout after the cut with one line that names the wait's flag, the
+newest checkpoint is intact, and with the link back the same command continues from it to the same weights.
+"""
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from processes import Machine, two_hosts
+from script_runs import ROOT, load_checkpoint, subprocess_env
+
+from benchmarks import network
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+PORT = 29410  # the static rendezvous, on host 0's address: each host is a namespace of its own, no other job is there
+TIMEOUT_S = 10  # --dist-timeout
+STEPS = 12  # a global batch of 8 over 96 images
+TRAINING = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "96", "--test-samples", "21",
+            "--batch-size", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--save-every-steps", "3",
+            "--dist-timeout", str(TIMEOUT_S)]
+STEP = re.compile(r"^epoch 1/1 step (\d+)/\d+ loss")
+CUT_AFTER = 4  # the step whose line the cut follows: the newest checkpoint then is step 3's
+OUTAGE_S = 3
+
+
+class Host(Machine):
+    """One host's torchrun with a static rendezvous (--nnodes=2 --node-rank), as a user starts a fixed pair."""
+
+    def __init__(self, hosts, host: int, output_dir):
+        cmd = hosts.prefix(host) + TORCHRUN + [
+            "--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1", f"--master-addr={network.ADDRESSES[0]}",
+            f"--master-port={PORT}", f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "distributed.py"),
+            *TRAINING, "--output-dir", str(output_dir)]
+        super().__init__(cmd, subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host]))
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    with two_hosts("link-test") as made:
+        yield made
+
+
+def run_both(hosts, output_dir, during=None) -> list[Host]:
+    """Both hosts' torchruns on `output_dir`; `during(machines)` while they run; back once both have exited, or
+    killed with every process of theirs when the test fails."""
+    machines = [Host(hosts, host, output_dir) for host in (0, 1)]
+    try:
+        if during:
+            during(machines)
+        for machine in machines:
+            machine.status, machine.exited = machine.ended()
+        return machines
+    finally:
+        hosts.set_link(True)
+        for machine in machines:
+            if machine.proc.poll() is None:
+                machine.kill()
+
+
+@pytest.fixture(scope="module")
+def never_cut(hosts, tmp_path_factory):
+    """The weights of the run with its link up throughout."""
+    out = tmp_path_factory.mktemp("never-cut")
+    for machine in run_both(hosts, out):
+        assert machine.status == 0, machine.text()[-3000:]
+    return load_checkpoint(out)["model"]
+
+
+def assert_same_weights(expected: dict, output_dir):
+    got = load_checkpoint(output_dir)
+    assert (got["epoch"], got["step"], got["world_size"]) == (1, 0, 2)
+    for name, tensor in expected.items():
+        assert torch.equal(got["model"][name], tensor), name
+
+
+def namespace_processes(hosts) -> list[str]:
+    return [pid for name in hosts.names
+            for pid in subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(hosts, never_cut, tmp_path):
+    cut = {}
+
+    def outage(machines):
+        machines[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
+        hosts.set_link(False)
+        cut["at"] = time.monotonic()
+        time.sleep(OUTAGE_S)
+        hosts.set_link(True)
+
+    first, second = run_both(hosts, tmp_path, outage)
+    assert first.status == second.status == 0, first.text()[-3000:] + second.text()[-3000:]
+    assert_same_weights(never_cut, tmp_path)
+    steps = {int(match[1]): when for when, line in first.lines if (match := STEP.search(line))}
+    assert sorted(steps) == list(range(1, STEPS + 1))
+    intervals = sorted(steps[s] - steps[s - 1] for s in range(2, STEPS + 1))
+    paused = steps[CUT_AFTER + 1] - cut["at"]
+    print(f"a {OUTAGE_S} s outage: the first step after it ended {paused:.1f} s after the cut "
+          f"(a step takes {intervals[len(intervals) // 2]:.2f} s, median)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues(hosts, never_cut, tmp_path):
+    cut = {}
+
+    def for_good(machines):
+        machines[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
+        hosts.set_link(False)
+        cut["at"] = time.monotonic()
+        for machine in machines:
+            machine.status, machine.exited = machine.ended()
+        cut["left"] = namespace_processes(hosts)  # before the link comes back, as a user would find them
+
+    machines = run_both(hosts, tmp_path, for_good)
+    for host, machine in enumerate(machines):
+        took = machine.exited - cut["at"]
+        said = [line for _, line in machine.lines if "error:" in line]
+        assert machine.status != 0 and TIMEOUT_S - 1 < took < TIMEOUT_S + 15, (host, took, machine.text()[-3000:])
+        assert len(said) == 1 and f"rank {host}: no answer from another rank for {TIMEOUT_S} s in " in said[0] \
+            and "(--dist-timeout sets the wait)" in said[0], machine.text()[-3000:]
+        print(f"host {host}: exit status {machine.status} {took:.1f} s after a lasting cut (--dist-timeout "
+              f"{TIMEOUT_S})")
+    assert cut["left"] == [], cut["left"]
+    assert load_checkpoint(tmp_path)["step"] == 3  # intact and readable: the step before the cut
+
+    again = run_both(hosts, tmp_path)  # the same command, the link back
+    for machine in again:
+        assert machine.status == 0, machine.text()[-3000:]
+    assert "resuming from" in again[0].text() and ": epoch 1, step 3 (" in again[0].text(), again[0].text()[-3000:]
+    assert_same_weights(never_cut, tmp_path)
