@@ -31,14 +31,19 @@ OUTAGE_S = 3
 
 
 class Host(Machine):
-    """One host's torchrun with a static rendezvous (--nnodes=2 --node-rank), as a user starts a fixed pair."""
+    """One host's launcher as a user starts a fixed pair: torchrun with a static rendezvous (--nnodes=2 --node-rank)
+    and distributed.py, or distributed_mp.py spawning its rank (--nnodes 2 --node-rank --ip --port)."""
 
-    def __init__(self, hosts, host: int, output_dir):
-        cmd = hosts.prefix(host) + TORCHRUN + [
-            "--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1", f"--master-addr={network.ADDRESSES[0]}",
-            f"--master-port={PORT}", f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "distributed.py"),
-            *TRAINING, "--output-dir", str(output_dir)]
-        super().__init__(cmd, subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host]))
+    def __init__(self, hosts, host: int, output_dir, launcher: str = "torchrun"):
+        if launcher == "torchrun":
+            start = TORCHRUN + ["--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1",
+                                f"--master-addr={network.ADDRESSES[0]}", f"--master-port={PORT}",
+                                f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "distributed.py")]
+        else:
+            start = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
+                     "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", str(PORT)]
+        super().__init__(hosts.prefix(host) + start + [*TRAINING, "--output-dir", str(output_dir)],
+                         subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host]))
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +52,10 @@ def hosts():
         yield made
 
 
-def run_both(hosts, output_dir, during=None) -> list[Host]:
-    """Both hosts' torchruns on `output_dir`; `during(machines)` while they run; back once both have exited, or
+def run_both(hosts, output_dir, launcher: str = "torchrun", during=None) -> list[Host]:
+    """Both hosts' launchers on `output_dir`; `during(machines)` while they run; back once both have exited, or
     killed with every process of theirs when the test fails."""
-    machines = [Host(hosts, host, output_dir) for host in (0, 1)]
+    machines = [Host(hosts, host, output_dir, launcher) for host in (0, 1)]
     try:
         if during:
             during(machines)
@@ -66,7 +71,8 @@ def run_both(hosts, output_dir, during=None) -> list[Host]:
 
 @pytest.fixture(scope="module")
 def never_cut(hosts, tmp_path_factory):
-    """The weights of the run with its link up throughout."""
+    """The weights of the run with its link up throughout (torchrun's and the spawn script's are the same:
+    test_multinode)."""
     out = tmp_path_factory.mktemp("never-cut")
     for machine in run_both(hosts, out):
         assert machine.status == 0, machine.text()[-3000:]
@@ -87,7 +93,8 @@ def namespace_processes(hosts) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(hosts, never_cut, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(launcher, hosts, never_cut, tmp_path):
     cut = {}
 
     def outage(machines):
@@ -97,20 +104,22 @@ def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(host
         time.sleep(OUTAGE_S)
         hosts.set_link(True)
 
-    first, second = run_both(hosts, tmp_path, outage)
+    first, second = run_both(hosts, tmp_path, launcher, outage)
     assert first.status == second.status == 0, first.text()[-3000:] + second.text()[-3000:]
     assert_same_weights(never_cut, tmp_path)
     steps = {int(match[1]): when for when, line in first.lines if (match := STEP.search(line))}
     assert sorted(steps) == list(range(1, STEPS + 1))
     intervals = sorted(steps[s] - steps[s - 1] for s in range(2, STEPS + 1))
     paused = steps[CUT_AFTER + 1] - cut["at"]
-    print(f"a {OUTAGE_S} s outage: the first step after it ended {paused:.1f} s after the cut "
+    print(f"{launcher}, a {OUTAGE_S} s outage: the first step after it ended {paused:.1f} s after the cut "
           f"(a step takes {intervals[len(intervals) // 2]:.2f} s, median)")
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues(hosts, never_cut, tmp_path):
+@pytest.mark.parametrize("launcher", ["torchrun", "spawn"])
+def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues(launcher, hosts, never_cut,
+                                                                                 tmp_path):
     cut = {}
 
     def for_good(machines):
@@ -121,19 +130,19 @@ def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues
             machine.status, machine.exited = machine.ended()
         cut["left"] = namespace_processes(hosts)  # before the link comes back, as a user would find them
 
-    machines = run_both(hosts, tmp_path, for_good)
+    machines = run_both(hosts, tmp_path, launcher, for_good)
     for host, machine in enumerate(machines):
         took = machine.exited - cut["at"]
         said = [line for _, line in machine.lines if "error:" in line]
         assert machine.status != 0 and TIMEOUT_S - 1 < took < TIMEOUT_S + 15, (host, took, machine.text()[-3000:])
         assert len(said) == 1 and f"rank {host}: no answer from another rank for {TIMEOUT_S} s in " in said[0] \
             and "(--dist-timeout sets the wait)" in said[0], machine.text()[-3000:]
-        print(f"host {host}: exit status {machine.status} {took:.1f} s after a lasting cut (--dist-timeout "
+        print(f"{launcher}, host {host}: exit status {machine.status} {took:.1f} s after a lasting cut (--dist-timeout "
               f"{TIMEOUT_S})")
     assert cut["left"] == [], cut["left"]
     assert load_checkpoint(tmp_path)["step"] == 3  # intact and readable: the step before the cut
 
-    again = run_both(hosts, tmp_path)  # the same command, the link back
+    again = run_both(hosts, tmp_path, launcher)  # the same command, the link back
     for machine in again:
         assert machine.status == 0, machine.text()[-3000:]
     assert "resuming from" in again[0].text() and ": epoch 1, step 3 (" in again[0].text(), again[0].text()[-3000:]

@@ -1,5 +1,6 @@
 """Several machines, played on one host: each test starts two launcher processes ("machines") of one
 rank each, and their 2-rank job must end with the weights of the same job on one machine, to the bit."""
+import socket
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -10,8 +11,9 @@ from processes import two_hosts
 from script_runs import ROOT, TINY, load_checkpoint, subprocess_env
 
 from benchmarks import network
+from utils.errors import UsageError
 from utils.launch import first_host, slurm_address
-from utils.spawn import free_port
+from utils.spawn import check_port_free, free_port
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 
@@ -114,6 +116,21 @@ def test_a_machine_that_cannot_reach_the_master_says_where_it_looked(tmp_path):
     assert result.returncode == 2
     assert f"could not reach the rendezvous at 127.0.0.1:{port}" in last_line(result), result.stderr[-2000:]
     assert not (tmp_path / "checkpoint.pt").exists()
+
+
+def test_the_port_of_a_run_just_ended_is_free_for_the_next_and_one_listened_on_is_not():
+    """The spawn scripts check --port before they start: a store that still listens there is refused; the port of a
+    run that just ended, whose connections wait out TCP's TIME_WAIT (a minute), is not (the store reuses it)."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    served.close()  # the store's end closes first: its port waits in TIME_WAIT
+    client.close()
+    with pytest.raises(UsageError, match=f"cannot listen on 127.0.0.1:{port}"):
+        check_port_free("127.0.0.1", port)
+    listener.close()
+    check_port_free("127.0.0.1", port)
 
 
 @pytest.mark.slow

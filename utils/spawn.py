@@ -54,8 +54,10 @@ def check_launch(args, local_processes: int, gpu_count: int | None = None) -> No
 
 
 def check_port_free(ip: str, port: int) -> None:
-    """The rendezvous store listens on ip:port on node 0; a busy port would fail deep in c10d."""
+    """The rendezvous store listens on ip:port on node 0; a busy port would fail deep in c10d. SO_REUSEADDR, as the
+    store binds: the connections of a run that just ended there (TCP's TIME_WAIT, a minute) do not make it busy."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((ip, port))
         except OSError as error:
