@@ -147,3 +147,29 @@ def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues
         assert machine.status == 0, machine.text()[-3000:]
     assert "resuming from" in again[0].text() and ": epoch 1, step 3 (" in again[0].text(), again[0].text()[-3000:]
     assert_same_weights(never_cut, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rendezvous_that_cannot_be_reached_ends_each_host_in_its_wait(hosts, tmp_path):
+    """Both hosts started with the link down: the spawn script's ranks wait --dist-timeout for the rendezvous, then
+    one line each (exit status 2); an elastic torchrun (the c10d rendezvous on host 0) waits its store's read_timeout
+    (--rdzv-conf; 60 s by default), then torch's RendezvousConnectionError (exit status 1); no process is left."""
+    hosts.set_link(False)
+    try:
+        spawned = [Host(hosts, host, tmp_path / "spawn", "spawn") for host in (0, 1)]
+        elastic = Machine(hosts.prefix(1) + TORCHRUN + [
+            "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[0]}:"
+            f"{PORT + 1}", "--rdzv-id=unreachable", "--rdzv-conf=read_timeout=5", str(ROOT / "distributed.py"),
+            *TRAINING, "--output-dir", str(tmp_path / "elastic")], subprocess_env())
+        ended = [machine.ended()[0] for machine in (*spawned, elastic)]
+        left = namespace_processes(hosts)
+    finally:
+        hosts.set_link(True)
+    where = f"{network.ADDRESSES[0]}:{PORT}"
+    lines = [[line for _, line in host.lines if line.startswith("distributed_mp.py: error: ")] for host in spawned]
+    assert ended[:2] == [2, 2] and len(lines[0]) == len(lines[1]) == 1, [m.text()[-2000:] for m in spawned]
+    assert f"not all processes joined at {where} within --dist-timeout" in lines[0][0]
+    assert f"could not reach the rendezvous at {where} within --dist-timeout" in lines[1][0]
+    assert ended[2] == 1 and "RendezvousConnectionError" in elastic.text(), elastic.text()[-3000:]
+    assert left == [] and not (tmp_path / "spawn" / "checkpoint.pt").exists()

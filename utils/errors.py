@@ -145,7 +145,7 @@ def rendezvous_line(error: BaseException) -> str:
     where, text = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}", first_line(error, 120)
     if "EADDRINUSE" in str(error) or "failed to listen" in text:
         return f"cannot host the rendezvous on {where} ({text}); choose another --port"
-    if "trying to connect" in text:
+    if "trying to connect" in text or "failed to connect" in text:  # refused; no route, or no answer, to it
         return (f"could not reach the rendezvous at {where} within --dist-timeout ({text}); "
                 "is node 0 started, are the address and port right and the port open?")
     return (f"not all processes joined at {where} within --dist-timeout ({text}); "
