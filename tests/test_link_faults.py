@@ -34,15 +34,16 @@ class Host(Machine):
     """One host's launcher as a user starts a fixed pair: torchrun with a static rendezvous (--nnodes=2 --node-rank)
     and distributed.py, or distributed_mp.py spawning its rank (--nnodes 2 --node-rank --ip --port)."""
 
-    def __init__(self, hosts, host: int, output_dir, launcher: str = "torchrun"):
+    def __init__(self, hosts, host: int, output_dir, launcher: str = "torchrun", script: str = "distributed.py",
+                 flags: tuple[str, ...] = ()):
         if launcher == "torchrun":
             start = TORCHRUN + ["--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1",
                                 f"--master-addr={network.ADDRESSES[0]}", f"--master-port={PORT}",
-                                f"--local-addr={network.ADDRESSES[host]}", str(ROOT / "distributed.py")]
+                                f"--local-addr={network.ADDRESSES[host]}", str(ROOT / script)]
         else:
             start = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
                      "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", str(PORT)]
-        super().__init__(hosts.prefix(host) + start + [*TRAINING, "--output-dir", str(output_dir)],
+        super().__init__(hosts.prefix(host) + start + [*TRAINING, *flags, "--output-dir", str(output_dir)],
                          subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host]))
 
 
@@ -52,10 +53,10 @@ def hosts():
         yield made
 
 
-def run_both(hosts, output_dir, launcher: str = "torchrun", during=None) -> list[Host]:
-    """Both hosts' launchers on `output_dir`; `during(machines)` while they run; back once both have exited, or
-    killed with every process of theirs when the test fails."""
-    machines = [Host(hosts, host, output_dir, launcher) for host in (0, 1)]
+def run_both(hosts, output_dir, launcher: str = "torchrun", during=None, **script) -> list[Host]:
+    """Both hosts' launchers on `output_dir` (`script`: Host's script and flags); `during(machines)` while they run;
+    back once both have exited, or killed with every process of theirs when the test fails."""
+    machines = [Host(hosts, host, output_dir, launcher, **script) for host in (0, 1)]
     try:
         if during:
             during(machines)
@@ -79,6 +80,24 @@ def never_cut(hosts, tmp_path_factory):
     return load_checkpoint(out)["model"]
 
 
+def outage(hosts, machine: Host, after_step: int) -> float:
+    """The link down for OUTAGE_S once `machine` printed step `after_step`'s line, then up; when it went down."""
+    machine.wait_for(re.compile(rf"^epoch 1/1 step {after_step}/"))
+    hosts.set_link(False)
+    cut_at = time.monotonic()
+    time.sleep(OUTAGE_S)
+    hosts.set_link(True)
+    return cut_at
+
+
+def stood_still(machine: Host, cut_at: float) -> float:
+    """How long `machine` printed no step line across the outage that began at `cut_at`: from its last step line
+    before it to its first after."""
+    before = [when for when, line in machine.lines if STEP.search(line) and when <= cut_at]
+    after = [when for when, line in machine.lines if STEP.search(line) and when > cut_at]
+    return after[0] - before[-1]
+
+
 def assert_same_weights(expected: dict, output_dir):
     got = load_checkpoint(output_dir)
     assert (got["epoch"], got["step"], got["world_size"]) == (1, 0, 2)
@@ -97,21 +116,18 @@ def namespace_processes(hosts) -> list[str]:
 def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(launcher, hosts, never_cut, tmp_path):
     cut = {}
 
-    def outage(machines):
-        machines[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
-        hosts.set_link(False)
-        cut["at"] = time.monotonic()
-        time.sleep(OUTAGE_S)
-        hosts.set_link(True)
+    def one_outage(machines):
+        cut["at"] = outage(hosts, machines[0], CUT_AFTER)
 
-    first, second = run_both(hosts, tmp_path, launcher, outage)
+    first, second = run_both(hosts, tmp_path, launcher, one_outage)
     assert first.status == second.status == 0, first.text()[-3000:] + second.text()[-3000:]
     assert_same_weights(never_cut, tmp_path)
     steps = {int(match[1]): when for when, line in first.lines if (match := STEP.search(line))}
     assert sorted(steps) == list(range(1, STEPS + 1))
     intervals = sorted(steps[s] - steps[s - 1] for s in range(2, STEPS + 1))
-    paused = steps[CUT_AFTER + 1] - cut["at"]
-    print(f"{launcher}, a {OUTAGE_S} s outage: the first step after it ended {paused:.1f} s after the cut "
+    still = stood_still(first, cut["at"])
+    assert still >= OUTAGE_S, f"the run did not wait for the link: {still:.1f} s between two steps"
+    print(f"{launcher}, a {OUTAGE_S} s outage: {still:.1f} s between the step lines on either side of it "
           f"(a step takes {intervals[len(intervals) // 2]:.2f} s, median)")
 
 
@@ -173,3 +189,28 @@ def test_a_rendezvous_that_cannot_be_reached_ends_each_host_in_its_wait(hosts, t
     assert f"could not reach the rendezvous at {where} within --dist-timeout" in lines[1][0]
     assert ended[2] == 1 and "RendezvousConnectionError" in elastic.text(), elastic.text()[-3000:]
     assert left == [] and not (tmp_path / "spawn" / "checkpoint.pt").exists()
+
+
+DILOCO = {"script": "distributed_diloco.py", "flags": ("--sync-every", "4")}  # rounds end at steps 4, 8 and 12
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_diloco_waits_out_an_outage_inside_a_round_and_one_across_its_all_reduce(hosts, tmp_path):
+    """DiLoCo's ranks meet only at a round's end (and at the safety net's per-step flag): an outage after step 1
+    (mid-round) and one after step 7 (step 8 ends the round with its all-reduce) are waited out, and the run ends
+    on the weights of the same run never cut."""
+    for machine in run_both(hosts, tmp_path / "never-cut", **DILOCO):
+        assert machine.status == 0, machine.text()[-3000:]
+
+    cuts = []
+
+    def two_outages(machines):
+        for after_step in (1, 7):
+            cuts.append(outage(hosts, machines[0], after_step))
+
+    first, second = run_both(hosts, tmp_path / "cut", during=two_outages, **DILOCO)
+    for machine in (first, second):
+        assert machine.status == 0, machine.text()[-3000:]
+    assert min(stood_still(first, cut_at) for cut_at in cuts) >= OUTAGE_S, first.text()[-3000:]
+    assert_same_weights(load_checkpoint(tmp_path / "never-cut")["model"], tmp_path / "cut")
