@@ -120,7 +120,8 @@ def train(args, env, safety):
     # torchft: this group's manager. Each step it asks the lighthouse which groups are alive (the quorum),
     # averages over them, and hands a group that joins behind the others this one's state to heal it
     manager = torchft.Manager(
-        pg=torchft.ProcessGroupNCCL() if env.device.type == "cuda" else torchft.ProcessGroupGloo(),  # between groups
+        # between groups; a collective waits --dist-timeout (torchft's own default, 60 s, held a group still as long)
+        pg=(torchft.ProcessGroupNCCL if env.device.type == "cuda" else torchft.ProcessGroupGloo)(timeout=env.timeout),
         min_replica_size=args.min_replica_groups, replica_id=str(args.replica_group), lighthouse_addr=args.lighthouse,
         state_dict=safety.state_for_a_peer,  # the weights, optimizer, schedule and progress of resume() below
         load_state_dict=safety.take_state_from_a_peer,  # a group behind the live ones takes theirs

@@ -141,13 +141,17 @@ class TwoHosts:
     ADDRESSES[i] on its end INTERFACES[i], and runs its commands pinned to a core of its own. On exit every process
     still in them is killed and both are deleted: their link and its qdiscs go with them."""
 
-    def __init__(self, prefix: str = "ddp-network"):
+    def __init__(self, prefix: str = "ddp-network", named: bool = False):
+        """named: each host has a hostname of its own (HOSTNAMES[i], known to both), as two machines do; else both
+        have this machine's, which resolves to each one's own loopback (torchft advertises its servers by it)."""
         self.names = [f"{prefix}-{os.getpid()}-{i}" for i in (0, 1)]
+        self.hostnames = [f"{prefix}-host-{i}" for i in (0, 1)] if named else None
         self.cores = host_cores()
         self.made = []
 
     def __enter__(self):
-        missing = [tool for tool in ("ip", "tc", "taskset") if shutil.which(tool) is None]
+        tools = ("ip", "tc", "taskset") + (("unshare",) if self.hostnames else ())
+        missing = [tool for tool in tools if shutil.which(tool) is None]
         if os.geteuid() != 0 or missing:
             raise UsageError("two hosts on one machine need root (network namespaces, tc) and " +
                              (f"{', '.join(missing)}, missing here" if missing else "iproute2 and taskset") +
@@ -162,6 +166,12 @@ class TwoHosts:
                 _ip("-n", name, "addr", "add", f"{address}/24", "dev", interface)
                 _ip("-n", name, "link", "set", interface, "up")
                 _ip("-n", name, "link", "set", "lo", "up")
+                if self.hostnames:  # `ip netns exec` shows each namespace /etc/netns/<name>/hosts as /etc/hosts
+                    os.makedirs(f"/etc/netns/{name}", exist_ok=True)
+                    with open(f"/etc/netns/{name}/hosts", "w") as hosts:
+                        hosts.write("127.0.0.1 localhost\n" + "".join(
+                            f"{address} {hostname}\n" for address, hostname in zip(ADDRESSES, self.hostnames,
+                                                                                  strict=True)))
         except subprocess.CalledProcessError as error:
             self.__exit__()
             raise UsageError(f"cannot make two network namespaces here: {error.stderr.strip()}") from None
@@ -177,6 +187,7 @@ class TwoHosts:
             while alive(pids) and time.monotonic() < deadline:
                 time.sleep(0.05)
             _ip("netns", "del", name, check=False)
+            shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         self.made = []
 
     def shape(self, rate: dict) -> None:
@@ -195,8 +206,10 @@ class TwoHosts:
         _ip("-n", self.names[0], "link", "set", INTERFACES[0], "up" if up else "down")
 
     def prefix(self, host: int) -> list[str]:
-        """What runs a command on `host`: in its namespace, on its core."""
-        return ["ip", "netns", "exec", self.names[host], "taskset", "-c", str(self.cores[host])]
+        """What runs a command on `host`: in its namespace (named: under its hostname), on its core."""
+        named = (["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', self.hostnames[host]]
+                 if self.hostnames else [])
+        return ["ip", "netns", "exec", self.names[host], *named, "taskset", "-c", str(self.cores[host])]
 
     def sent(self, pids: list[int]) -> list[int]:
         """The bytes each host has sent so far, read through a process of each (`pids`: one in each namespace)."""

@@ -4,6 +4,7 @@ scripts hand `report` to utils.errors.exit_on_error (as SafetyNet.report_crash).
 import os
 import re
 import sys
+import sysconfig
 import tempfile
 import traceback
 
@@ -17,6 +18,8 @@ _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken p
 # stopped, or the network between the machines is down (no reset comes over a link that is down)
 _NO_ANSWER = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
 _TORCH = os.path.dirname(os.path.dirname(torch.distributed.__file__))  # torch's own files: not where a user looks
+# installed packages and Python's own modules: what is left of a traceback is the user's (a script, a helper)
+_INSTALLED = tuple({sysconfig.get_paths()[kind] + os.sep for kind in ("purelib", "platlib", "stdlib")})
 
 
 def report(error: BaseException) -> None:
@@ -55,6 +58,10 @@ def crash_line(error: BaseException) -> str:
             where = f"{filename}:{line.removeprefix('line ')} {function}"
     elif waited := _NO_ANSWER.search(str(error)):
         what, where = no_answer(int(waited[1]) / 1000, frames)
+    elif isinstance(error, TimeoutError) and any(frame.name == "_async_quorum" for frame in frames):
+        what, where = ("no quorum from the torchft lighthouse within --dist-timeout: it, or the network to it, is "
+                       "down; torchft 0.2.0 ends this replica group here: once the lighthouse answers, the same "
+                       "command heals it from a live group"), _our_line(frames)
     path = os.path.join(tempfile.gettempdir(), f"{os.path.basename(sys.argv[0]) or 'python'}-"
                                                f"rank{os.environ.get('RANK', '0')}-{os.getpid()}.traceback")
     try:
@@ -69,10 +76,15 @@ def crash_line(error: BaseException) -> str:
 def no_answer(seconds: float, frames: list[traceback.FrameSummary]) -> tuple[str, str]:
     """(what, where) of a collective that no other rank answered for `seconds`: torch's function (all_reduce,
     barrier, ...) and the line outside torch that called it, for the user's words."""
-    ours = [frame for frame in frames if not frame.filename.startswith(_TORCH)]
     called = next((frame.name for frame in reversed(frames) if frame.filename.startswith(_TORCH)
                    and "distributed_c10d" in frame.filename), "a collective")
-    where = f"{_shown(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""
     return (f"no answer from another rank for {seconds:g} s in {called} (--dist-timeout sets the wait): that rank "
             "hangs, its machine stopped, or the network between the machines is down; once all can meet again, the "
-            "same command continues from the last checkpoint"), where
+            "same command continues from the last checkpoint"), _our_line(frames)
+
+
+def _our_line(frames: list[traceback.FrameSummary]) -> str:
+    """The innermost line of the traceback outside installed packages (a script's, a helper's): where a user looks."""
+    ours = [frame for frame in frames if not frame.filename.startswith("<")  # "<frozen runpy>"
+            and not os.path.abspath(frame.filename).startswith(_INSTALLED)]
+    return f"{_shown(ours[-1].filename)}:{ours[-1].lineno} in {ours[-1].name}" if ours else ""

@@ -181,12 +181,12 @@ def processes_naming(path) -> list[str]:
 
 
 @contextlib.contextmanager
-def two_hosts(prefix: str = "ddp-test"):
+def two_hosts(prefix: str = "ddp-test", named: bool = False):
     """benchmarks.network's two hosts: network namespaces joined by a veth pair, host i at network.ADDRESSES[i] on
-    its interface network.INTERFACES[i], removed afterwards with every process in them; skipped without root,
-    iproute2, tc and taskset."""
+    its interface network.INTERFACES[i] (named: with hostnames of their own), removed afterwards with every process in
+    them; skipped without root, iproute2, tc and taskset (and unshare, named)."""
     from benchmarks import network  # only where hosts are made: the benchmark's modules take a while to import
-    hosts = network.TwoHosts(prefix)
+    hosts = network.TwoHosts(prefix, named)
     try:
         hosts.__enter__()
     except UsageError as why:

@@ -17,6 +17,7 @@ from processes import Machine, two_hosts
 from script_runs import ROOT, load_checkpoint, subprocess_env
 
 from benchmarks import network
+from examples import own_lighthouse
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PORT = 29410  # the static rendezvous, on host 0's address: each host is a namespace of its own, no other job is there
@@ -49,7 +50,7 @@ class Host(Machine):
 
 @pytest.fixture(scope="module")
 def hosts():
-    with two_hosts("link-test") as made:
+    with two_hosts("link-test", named=True) as made:  # named: torchft advertises its servers by hostname
         yield made
 
 
@@ -214,3 +215,72 @@ def test_diloco_waits_out_an_outage_inside_a_round_and_one_across_its_all_reduce
         assert machine.status == 0, machine.text()[-3000:]
     assert min(stood_still(first, cut_at) for cut_at in cuts) >= OUTAGE_S, first.text()[-3000:]
     assert_same_weights(load_checkpoint(tmp_path / "never-cut")["model"], tmp_path / "cut")
+
+
+LIGHTHOUSE_PORT, HEARTBEAT_S = PORT + 2, 2
+LIVE = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "1920", "--test-samples", "21", "--batch-size",
+        "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--dist-timeout", str(TIMEOUT_S),
+        "--replica-groups", "2"]
+ALONE = re.compile(r"^epoch 1/1 step (\d+)/240 .*, 1 of 2 replica groups")
+
+
+def replica_group(hosts, group: int, output_dir) -> Machine:
+    """distributed_live_recovery.py's replica group `group` on host `group` (one process under torchrun, its store
+    on the host's address: the other group reaches it there), each step paced to 0.25 s so that group 0 is still
+    training when group 1 comes back on a slow machine."""
+    return Machine(hosts.prefix(group) + TORCHRUN + [
+        "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[group]}:"
+        f"{PORT + 3}", str(ROOT / "tests" / "script_driver.py"), "--step-seconds", "0.25",
+        "distributed_live_recovery.py", "--replica-group", str(group), "--lighthouse",
+        f"http://{hosts.hostnames[0]}:{LIGHTHOUSE_PORT}", *LIVE, "--output-dir", str(output_dir)],
+        subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[group]))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_partition_under_live_recovery_leaves_group_0_training_and_group_1_heals_once_back(hosts, tmp_path):
+    """The lighthouse and replica group 0 on host 0, group 1 on host 1, the link cut for good at group 0's step 20:
+    group 0 trains on alone within --dist-timeout (its collective with group 1 gives up: torchft's own default held
+    it 60 s), group 1 ends with one line (its quorum waits --dist-timeout for the lighthouse; torchft 0.2.0 gives up
+    there); the link back, group 1's same command heals from group 0 and both end on the same weights."""
+    lighthouse = subprocess.Popen(hosts.prefix(0) + [own_lighthouse.program(), "--min_replicas", "1", "--bind",
+                                                     f"[::]:{LIGHTHOUSE_PORT}", "--heartbeat_timeout_ms",
+                                                     str(HEARTBEAT_S * 1000)], stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)
+    groups = []
+    try:
+        ask = f"import urllib.request as u; u.urlopen('http://localhost:{LIGHTHOUSE_PORT}/status', timeout=5)"
+        deadline = time.monotonic() + 60
+        while subprocess.run(hosts.prefix(0) + [sys.executable, "-c", ask], capture_output=True).returncode:
+            assert time.monotonic() < deadline, "the lighthouse did not start"
+            time.sleep(0.5)
+        groups = [replica_group(hosts, group, tmp_path) for group in (0, 1)]
+        groups[0].wait_for(re.compile(r"^epoch 1/1 step 20/240 .*, 2 of 2 replica groups"))
+        hosts.set_link(False)
+        cut_at = time.monotonic()
+        alone_at, _ = groups[0].wait_for(ALONE, after=cut_at)
+        status, exited = groups[1].ended()
+        said = [line for _, line in groups[1].lines if "error:" in line]
+        hosts.set_link(True)
+        groups.append(back := replica_group(hosts, 1, tmp_path))
+        back.wait_for(re.compile(r"healed from a live replica group"))
+        ends = [groups[0].ended()[0], back.ended()[0]]
+    finally:
+        hosts.set_link(True)
+        for group in groups:
+            if group.proc.poll() is None:
+                group.kill()
+        lighthouse.kill()
+        lighthouse.wait()
+    print(f"live recovery, a lasting cut: group 0 stood still {alone_at - cut_at:.1f} s, group 1 ended (status "
+          f"{status}) {exited - cut_at:.1f} s after it (--dist-timeout {TIMEOUT_S}, heartbeat {HEARTBEAT_S} s): "
+          f"{said}")
+    assert alone_at - cut_at < TIMEOUT_S + 15, groups[0].text()[-3000:]
+    # group 1 waits for group 0 in their collective, then for a quorum: --dist-timeout each, at most
+    assert status != 0 and TIMEOUT_S - 1 < exited - cut_at < 2 * TIMEOUT_S + 15, groups[1].text()[-3000:]
+    assert len(said) == 1 and "no quorum from the torchft lighthouse within --dist-timeout" in said[0], said
+    assert ends == [0, 0], groups[0].text()[-2000:] + back.text()[-2000:]
+    states = [torch.load(tmp_path / f"replica_group_{g}" / "checkpoint.pt", map_location="cpu", weights_only=True)
+              for g in (0, 1)]
+    for name, tensor in states[0]["model"].items():
+        assert torch.equal(states[1]["model"][name], tensor), name
