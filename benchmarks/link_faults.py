@@ -17,17 +17,13 @@ Every run is a fresh one in a temporary folder. Writes <output-dir>/link_faults.
 whole after every measurement; stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
 tests/test_link_faults.py proves the same runs end where they should (the weights, the lines, no process left).
 """
-import contextlib
 import json
-import os
 import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -36,8 +32,8 @@ import torch
 from benchmarks import network
 from benchmarks import run as benchmark
 from benchmarks.commit import git_commit
+from benchmarks.launched import STEP, Launched
 from examples import own_lighthouse
-from examples.local_processes import process_tree
 from utils import flags
 from utils.errors import UsageError, print_line
 
@@ -45,71 +41,15 @@ ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PORT = 29410  # the static rendezvous, on host 0's address; +1 a c10d one, +2 the lighthouse, +3 a replica group's
 TRAINING = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "96", "--test-samples", "21",
-            "--batch-size", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--save-every-steps", "3"]
-STEP = re.compile(r"^epoch 1/1 step (\d+)/\d+ loss")
+            "--batch-size", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1"]
 CUT_AFTER = 4  # the step whose line a cut follows: the newest checkpoint then is step 3's
-WAIT_S = 150  # the longest any stage may take on a slow, shared machine
-
-
-class Launched:
-    """A launcher on one host (a command in its namespace), its output lines (stdout and stderr) kept with the time
-    each arrived (time.monotonic()) by a thread of its own, so that the caller can act while it runs."""
-
-    def __init__(self, cmd: list[str], env: dict):
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
-
-    def wait_for(self, pattern: re.Pattern, after: float = 0.0) -> tuple[float, re.Match]:
-        """The first line past time `after` that matches, and when it came; TimeoutError after WAIT_S."""
-        deadline = time.monotonic() + WAIT_S
-        while time.monotonic() < deadline:
-            for when, line in list(self.lines):
-                if when > after and (match := pattern.search(line)):
-                    return when, match
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                break
-            time.sleep(0.1)
-        raise TimeoutError(f"no line like {pattern.pattern!r} within {WAIT_S} s:\n{self.text()[-4000:]}")
-
-    def ended(self) -> tuple[int, float]:
-        """(exit status, when it exited) once the launcher exits; TimeoutError after WAIT_S."""
-        try:
-            status = self.proc.wait(timeout=WAIT_S)
-        except subprocess.TimeoutExpired:
-            raise TimeoutError(f"still running after {WAIT_S} s:\n{self.text()[-4000:]}") from None
-        when = time.monotonic()
-        self.reader.join(timeout=10)
-        return status, when
-
-    def kill(self) -> list[int]:
-        """SIGKILL to the launcher and every process below it, as a machine that is switched off."""
-        pids = process_tree(self.proc.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
-
-    def steps(self) -> dict[int, float]:
-        """{step: when its progress line came} of an epoch of one."""
-        return {int(match[1]): when for when, line in self.lines if (match := STEP.search(line))}
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
 
 
 def host_command(hosts, host: int, output_dir, launcher: str = "torchrun", script: str = "distributed.py",
                  extra: tuple[str, ...] = ()) -> tuple[list[str], dict]:
     """(command, environment) of one host's launcher as a user starts a fixed pair: torchrun with a static rendezvous
     (--nnodes=2 --node-rank) and `script`, or distributed_mp.py spawning its rank (--nnodes 2 --node-rank --ip --port);
-    TRAINING and `extra` its flags."""
+    TRAINING, a checkpoint every 3 steps and `extra` its flags."""
     if launcher == "torchrun":
         start = TORCHRUN + ["--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1",
                             f"--master-addr={network.ADDRESSES[0]}", f"--master-port={PORT}",
@@ -117,19 +57,21 @@ def host_command(hosts, host: int, output_dir, launcher: str = "torchrun", scrip
     else:
         start = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
                  "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", str(PORT)]
-    return (hosts.prefix(host) + start + [*TRAINING, *extra, "--output-dir", str(output_dir)],
-            {**benchmark.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[host]})
+    every = [*TRAINING, "--save-every-steps", "3", *extra, "--output-dir", str(output_dir)]
+    env = {**benchmark.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[host]}
+    return hosts.prefix(host) + start + every, env
 
 
 def replica_group_command(hosts, group: int, output_dir, extra: tuple[str, ...]) -> tuple[list[str], dict]:
     """distributed_live_recovery.py's replica group `group` on host `group`: one process under torchrun, its store on
     the host's address (the other group reaches it there), the lighthouse on host 0, each step paced to 0.25 s
-    (tests/script_driver.py) so that group 0 still trains when group 1 comes back on a slow machine."""
+    (tests/script_driver.py) so that group 0 still trains when group 1 comes back on a slow machine; TRAINING and
+    `extra` its flags (the last of a flag given twice counts)."""
     return (hosts.prefix(group) + TORCHRUN + [
         "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[group]}:"
         f"{PORT + 3}", str(ROOT / "tests" / "script_driver.py"), "--step-seconds", "0.25",
         "distributed_live_recovery.py", "--replica-group", str(group), "--replica-groups", "2", "--lighthouse",
-        f"http://{hosts.hostnames[0]}:{PORT + 2}", *extra, "--output-dir", str(output_dir)],
+        f"http://{hosts.hostnames[0]}:{PORT + 2}", *TRAINING, *extra, "--output-dir", str(output_dir)],
         {**benchmark.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[group]})
 
 

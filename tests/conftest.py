@@ -17,12 +17,12 @@ from script_runs import TINY, check, launcher, run
 # a worker takes a whole file, and a long file started last leaves the other worker idle until it ends (the longest
 # first, the shortest last: the two workers then finish within a short file of each other). A file not named here
 # comes after these, in its usual place; a wrong guess costs time, never a test.
-LONGEST_FIRST = ["test_live_recovery.py", "test_stopping.py", "test_resume.py", "test_speed.py", "test_multinode.py",
-                 "test_network.py", "test_scripts_equal.py", "test_fsdp_runs.py", "test_zero.py", "test_diloco.py",
-                 "test_template.py", "test_elastic.py", "test_diloco_benchmark.py",
-                 "test_end_to_end.py", "test_cuda_graphs.py", "test_failures.py", "test_checkpoints.py",
-                 "test_learning.py", "test_host_reads.py", "test_a_rank_fails.py", "test_pipeline.py",
-                 "test_profiling.py", "test_fsdp.py", "test_bad_input.py"]
+LONGEST_FIRST = ["test_live_recovery.py", "test_link_faults.py", "test_stopping.py", "test_resume.py",
+                 "test_speed.py", "test_multinode.py", "test_network.py", "test_scripts_equal.py",
+                 "test_fsdp_runs.py", "test_zero.py", "test_diloco.py", "test_template.py", "test_elastic.py",
+                 "test_diloco_benchmark.py", "test_end_to_end.py", "test_cuda_graphs.py", "test_failures.py",
+                 "test_checkpoints.py", "test_learning.py", "test_host_reads.py", "test_a_rank_fails.py",
+                 "test_pipeline.py", "test_profiling.py", "test_fsdp.py", "test_bad_input.py"]
 
 
 def pytest_configure(config):

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 from script_runs import ROOT, subprocess_env
 
+from benchmarks import launched
+from benchmarks.launched import Launched
 from examples.local_processes import alive, process_tree
 from utils.errors import UsageError
 
@@ -28,56 +30,23 @@ def rank_process(launcher_pid: int, rank: int) -> int:
     raise AssertionError(f"no rank {rank} under {launcher_pid}")
 
 
-class Machine:
-    """A launcher on one host (a command in its namespace), its output lines (stdout and stderr) kept with the time
-    each arrived (time.monotonic()) by a thread of its own, so that a test can act while it runs."""
+class Machine(Launched):
+    """benchmarks.launched's Launched (a launcher on one host, its lines kept with the time each arrived), failing the
+    test where it would raise TimeoutError."""
 
-    WAIT_S = 150  # the longest any stage may take on a slow, shared machine before the test fails
-
-    def __init__(self, cmd: list[str], env: dict):
-        self.started = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                     text=True, start_new_session=True)
-        self.lines: list[tuple[float, str]] = []
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self):
-        for line in self.proc.stdout:
-            self.lines.append((time.monotonic(), line.rstrip()))
+    WAIT_S = launched.WAIT_S
 
     def wait_for(self, pattern: re.Pattern, after: float = 0.0) -> tuple[float, re.Match]:
-        """The first line past time `after` that matches, and when it came; fails the test after WAIT_S."""
-        deadline = time.monotonic() + self.WAIT_S
-        while time.monotonic() < deadline:
-            for when, line in list(self.lines):
-                if when > after and (match := pattern.search(line)):
-                    return when, match
-            if self.proc.poll() is not None and not self.reader.is_alive():
-                break
-            time.sleep(0.1)
-        pytest.fail(f"no line like {pattern.pattern!r} within {self.WAIT_S} s:\n{self.text()[-4000:]}")
+        try:
+            return super().wait_for(pattern, after)
+        except TimeoutError as error:
+            pytest.fail(str(error))
 
     def ended(self) -> tuple[int, float]:
-        """(exit status, when it exited) once the launcher exits; fails the test after WAIT_S."""
         try:
-            status = self.proc.wait(timeout=self.WAIT_S)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"still running after {self.WAIT_S} s:\n{self.text()[-4000:]}")
-        when = time.monotonic()
-        self.reader.join(timeout=10)
-        return status, when
-
-    def kill(self) -> list[int]:
-        """SIGKILL to the launcher and every process below it, as a machine that is switched off."""
-        pids = process_tree(self.proc.pid)
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        return pids
-
-    def text(self) -> str:
-        return "\n".join(line for _, line in self.lines)
+            return super().ended()
+        except TimeoutError as error:
+            pytest.fail(str(error))
 
 
 class Run:

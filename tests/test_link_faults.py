@@ -8,7 +8,6 @@ newest checkpoint is intact, and with the link back the same command continues f
 """
 import re
 import subprocess
-import sys
 import time
 
 import pytest
@@ -16,36 +15,27 @@ import torch
 from processes import Machine, two_hosts
 from script_runs import ROOT, load_checkpoint, subprocess_env
 
-from benchmarks import network
-from examples import own_lighthouse
+from benchmarks import link_faults, network
+from benchmarks.link_faults import CUT_AFTER, PORT, STEP, TORCHRUN, TRAINING, stood_still
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-PORT = 29410  # the static rendezvous, on host 0's address: each host is a namespace of its own, no other job is there
 TIMEOUT_S = 10  # --dist-timeout
-STEPS = 12  # a global batch of 8 over 96 images
-TRAINING = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "96", "--test-samples", "21",
-            "--batch-size", "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--save-every-steps", "3",
-            "--dist-timeout", str(TIMEOUT_S)]
-STEP = re.compile(r"^epoch 1/1 step (\d+)/\d+ loss")
-CUT_AFTER = 4  # the step whose line the cut follows: the newest checkpoint then is step 3's
+STEPS = 12  # a global batch of 8 over TRAINING's 96 images
 OUTAGE_S = 3
 
 
-class Host(Machine):
-    """One host's launcher as a user starts a fixed pair: torchrun with a static rendezvous (--nnodes=2 --node-rank)
-    and distributed.py, or distributed_mp.py spawning its rank (--nnodes 2 --node-rank --ip --port)."""
+def as_test(command: tuple[list[str], dict]) -> Machine:
+    """A command of benchmarks.link_faults, started as the tests start theirs (subprocess_env: no launcher's
+    variables of the test's own environment)."""
+    cmd, env = command
+    return Machine(cmd, subprocess_env(**{name: env[name] for name in ("GLOO_SOCKET_IFNAME", "OMP_NUM_THREADS")}))
 
-    def __init__(self, hosts, host: int, output_dir, launcher: str = "torchrun", script: str = "distributed.py",
-                 flags: tuple[str, ...] = ()):
-        if launcher == "torchrun":
-            start = TORCHRUN + ["--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1",
-                                f"--master-addr={network.ADDRESSES[0]}", f"--master-port={PORT}",
-                                f"--local-addr={network.ADDRESSES[host]}", str(ROOT / script)]
-        else:
-            start = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
-                     "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", str(PORT)]
-        super().__init__(hosts.prefix(host) + start + [*TRAINING, *flags, "--output-dir", str(output_dir)],
-                         subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[host]))
+
+def on_host(hosts, host: int, output_dir, launcher: str = "torchrun", script: str = "distributed.py",
+            flags: tuple[str, ...] = ()) -> Machine:
+    """One host's launcher as a user starts a fixed pair (benchmarks.link_faults' host_command): torchrun with a
+    static rendezvous and `script`, or distributed_mp.py spawning its rank."""
+    return as_test(link_faults.host_command(hosts, host, output_dir, launcher, script,
+                                            ("--dist-timeout", str(TIMEOUT_S), *flags)))
 
 
 @pytest.fixture(scope="module")
@@ -54,10 +44,10 @@ def hosts():
         yield made
 
 
-def run_both(hosts, output_dir, launcher: str = "torchrun", during=None, **script) -> list[Host]:
+def run_both(hosts, output_dir, launcher: str = "torchrun", during=None, **script) -> list[Machine]:
     """Both hosts' launchers on `output_dir` (`script`: Host's script and flags); `during(machines)` while they run;
     back once both have exited, or killed with every process of theirs when the test fails."""
-    machines = [Host(hosts, host, output_dir, launcher, **script) for host in (0, 1)]
+    machines = [on_host(hosts, host, output_dir, launcher, **script) for host in (0, 1)]
     try:
         if during:
             during(machines)
@@ -81,7 +71,7 @@ def never_cut(hosts, tmp_path_factory):
     return load_checkpoint(out)["model"]
 
 
-def outage(hosts, machine: Host, after_step: int) -> float:
+def outage(hosts, machine: Machine, after_step: int) -> float:
     """The link down for OUTAGE_S once `machine` printed step `after_step`'s line, then up; when it went down."""
     machine.wait_for(re.compile(rf"^epoch 1/1 step {after_step}/"))
     hosts.set_link(False)
@@ -89,14 +79,6 @@ def outage(hosts, machine: Host, after_step: int) -> float:
     time.sleep(OUTAGE_S)
     hosts.set_link(True)
     return cut_at
-
-
-def stood_still(machine: Host, cut_at: float) -> float:
-    """How long `machine` printed no step line across the outage that began at `cut_at`: from its last step line
-    before it to its first after."""
-    before = [when for when, line in machine.lines if STEP.search(line) and when <= cut_at]
-    after = [when for when, line in machine.lines if STEP.search(line) and when > cut_at]
-    return after[0] - before[-1]
 
 
 def assert_same_weights(expected: dict, output_dir):
@@ -174,7 +156,7 @@ def test_a_rendezvous_that_cannot_be_reached_ends_each_host_in_its_wait(hosts, t
     (--rdzv-conf; 60 s by default), then torch's RendezvousConnectionError (exit status 1); no process is left."""
     hosts.set_link(False)
     try:
-        spawned = [Host(hosts, host, tmp_path / "spawn", "spawn") for host in (0, 1)]
+        spawned = [on_host(hosts, host, tmp_path / "spawn", "spawn") for host in (0, 1)]
         elastic = Machine(hosts.prefix(1) + TORCHRUN + [
             "--nnodes=1:2", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[0]}:"
             f"{PORT + 1}", "--rdzv-id=unreachable", "--rdzv-conf=read_timeout=5", str(ROOT / "distributed.py"),
@@ -217,23 +199,9 @@ def test_diloco_waits_out_an_outage_inside_a_round_and_one_across_its_all_reduce
     assert_same_weights(load_checkpoint(tmp_path / "never-cut")["model"], tmp_path / "cut")
 
 
-LIGHTHOUSE_PORT, HEARTBEAT_S = PORT + 2, 2
-LIVE = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "1920", "--test-samples", "21", "--batch-size",
-        "8", "--epochs", "1", "--workers", "0", "--print-freq", "1", "--dist-timeout", str(TIMEOUT_S),
-        "--replica-groups", "2"]
+HEARTBEAT_S = 2
+LIVE = ("--train-samples", "1920", "--dist-timeout", str(TIMEOUT_S))  # 240 steps
 ALONE = re.compile(r"^epoch 1/1 step (\d+)/240 .*, 1 of 2 replica groups")
-
-
-def replica_group(hosts, group: int, output_dir) -> Machine:
-    """distributed_live_recovery.py's replica group `group` on host `group` (one process under torchrun, its store
-    on the host's address: the other group reaches it there), each step paced to 0.25 s so that group 0 is still
-    training when group 1 comes back on a slow machine."""
-    return Machine(hosts.prefix(group) + TORCHRUN + [
-        "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[group]}:"
-        f"{PORT + 3}", str(ROOT / "tests" / "script_driver.py"), "--step-seconds", "0.25",
-        "distributed_live_recovery.py", "--replica-group", str(group), "--lighthouse",
-        f"http://{hosts.hostnames[0]}:{LIGHTHOUSE_PORT}", *LIVE, "--output-dir", str(output_dir)],
-        subprocess_env(GLOO_SOCKET_IFNAME=network.INTERFACES[group]))
 
 
 @pytest.mark.slow
@@ -243,18 +211,10 @@ def test_a_partition_under_live_recovery_leaves_group_0_training_and_group_1_hea
     group 0 trains on alone within --dist-timeout (its collective with group 1 gives up: torchft's own default held
     it 60 s), group 1 ends with one line (its quorum waits --dist-timeout for the lighthouse; torchft 0.2.0 gives up
     there); the link back, group 1's same command heals from group 0 and both end on the same weights."""
-    lighthouse = subprocess.Popen(hosts.prefix(0) + [own_lighthouse.program(), "--min_replicas", "1", "--bind",
-                                                     f"[::]:{LIGHTHOUSE_PORT}", "--heartbeat_timeout_ms",
-                                                     str(HEARTBEAT_S * 1000)], stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)
+    lighthouse = link_faults.start_lighthouse(hosts, HEARTBEAT_S)
     groups = []
     try:
-        ask = f"import urllib.request as u; u.urlopen('http://localhost:{LIGHTHOUSE_PORT}/status', timeout=5)"
-        deadline = time.monotonic() + 60
-        while subprocess.run(hosts.prefix(0) + [sys.executable, "-c", ask], capture_output=True).returncode:
-            assert time.monotonic() < deadline, "the lighthouse did not start"
-            time.sleep(0.5)
-        groups = [replica_group(hosts, group, tmp_path) for group in (0, 1)]
+        groups = [as_test(link_faults.replica_group_command(hosts, g, tmp_path, LIVE)) for g in (0, 1)]
         groups[0].wait_for(re.compile(r"^epoch 1/1 step 20/240 .*, 2 of 2 replica groups"))
         hosts.set_link(False)
         cut_at = time.monotonic()
@@ -262,7 +222,7 @@ def test_a_partition_under_live_recovery_leaves_group_0_training_and_group_1_hea
         status, exited = groups[1].ended()
         said = [line for _, line in groups[1].lines if "error:" in line]
         hosts.set_link(True)
-        groups.append(back := replica_group(hosts, 1, tmp_path))
+        groups.append(back := as_test(link_faults.replica_group_command(hosts, 1, tmp_path, LIVE)))
         back.wait_for(re.compile(r"healed from a live replica group"))
         ends = [groups[0].ended()[0], back.ended()[0]]
     finally:
