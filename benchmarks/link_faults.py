@@ -106,10 +106,12 @@ def both(hosts, launched: list[Launched], during) -> list[Launched]:
                 one.kill()
 
 
-def stood_still(launched: Launched, cut_at: float) -> float:
-    """How long `launched` printed no step line across a cut at `cut_at`: its last step line before, its first after."""
+def stood_still(launched: Launched, cut_at: float) -> float | None:
+    """How long `launched` printed no step line across a cut at `cut_at`: its last step line before, its first after
+    (None: no step after it)."""
     whens = sorted(launched.steps().values())
-    return min(w for w in whens if w > cut_at) - max(w for w in whens if w <= cut_at)
+    after = [w for w in whens if w > cut_at]
+    return after[0] - max(w for w in whens if w <= cut_at) if after else None
 
 
 def outage(hosts, seconds: float, dist_timeout: int) -> dict:
@@ -127,7 +129,8 @@ def outage(hosts, seconds: float, dist_timeout: int) -> dict:
         first, second = both(hosts, [Launched(*host_command(hosts, h, out, extra=("--dist-timeout", str(dist_timeout))))
                                      for h in (0, 1)], down_then_up)
     steps = first.steps()
-    step_s = statistics.median(steps[s] - steps[s - 1] for s in range(2, max(steps) + 1))
+    step_s = statistics.median(steps[s] - steps[s - 1] for s in range(2, max(steps) + 1) if s - 1 in steps and s in
+                               steps)
     return {"outage_s": seconds, "status": [first.status, second.status],
             "stood_still_s": stood_still(first, cut["at"]), "step_s": step_s}
 
@@ -191,13 +194,14 @@ def markdown(results: dict) -> str:
     meta = results["meta"]
     timeout = meta["dist_timeout"]
     lines = [f"Hardware: {meta['hardware']}. Command: `{meta['command']}`, at commit {meta['commit']}. Two hosts "
-             "(network namespaces, one core and one rank each), the link set down on host 0's end; "
-             f"`--dist-timeout {timeout}`.", ""]
+             "(network namespaces, one core and one rank each), the link set down on host 0's end; the outages' runs "
+             f"with `--dist-timeout {meta['outage_timeout']}`, the lasting cuts' with `--dist-timeout {timeout}`.", ""]
     if meta.get("unfinished"):
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
     lines += ["| DDP (torchrun), link down for | no step line for | a step (median) | exit statuses |",
               "|---|---|---|---|"]
-    lines += [f"| {r['outage_s']:g} s | {r['stood_still_s']:.1f} s | {r['step_s']:.2f} s | {r['status']} |"
+    lines += [f"| {r['outage_s']:g} s | " + (f"{r['stood_still_s']:.1f} s" if r["stood_still_s"] is not None else
+                                             "no step after it") + f" | {r['step_s']:.2f} s | {r['status']} |"
               for r in results["outages"]]
     lines += ["", "| lasting cut | host 0 exits after | host 1 exits after | exit statuses | steps lost (last printed "
               "- checkpoint's) |", "|---|---|---|---|---|"]
@@ -223,7 +227,10 @@ def parse_args(argv=None):
     parser.add_argument("--outages", type=seconds_list,
                         default=[2, 5, 10], metavar="S,S,...", help="the outages' lengths in seconds (default: 2,5,10)")
     parser.add_argument("--dist-timeout", type=flags.positive_int, default=10, metavar="SECONDS",
-                        help="the runs' --dist-timeout: how long a lasting cut is waited for (default: 10)")
+                        help="the lasting cuts' --dist-timeout: how long a lasting cut is waited for (default: 10)")
+    parser.add_argument("--outage-timeout", type=flags.positive_int, default=30, metavar="SECONDS",
+                        help="the outages' --dist-timeout: longer than the longest outage and TCP's retransmission "
+                             "backoff after it, or the run ends (default: 30)")
     parser.add_argument("--heartbeat", type=flags.positive_int, default=2, metavar="SECONDS",
                         help="the lighthouse's heartbeat timeout (default: 2, as the live recovery demo's)")
     parser.add_argument("--output-dir", type=Path, default=None,
@@ -237,10 +244,11 @@ def main(argv=None) -> int:
     out = args.output_dir or ROOT / (network.machine_folder().removesuffix("-network") + "-link-faults")
     typed = sys.argv[1:] if argv is None else argv
     meta = {"hardware": benchmark.hardware("cpu", 2), "commit": git_commit(), "dist_timeout": args.dist_timeout,
+            "outage_timeout": args.outage_timeout,
             "command": shlex.join(["python", "-m", "benchmarks.link_faults", *typed])}
     results = {"meta": meta, "outages": [], "lasting": []}
-    plan = [(f"DDP, a {s} s outage", lambda hosts, s=s: results["outages"].append(outage(hosts, s, args.dist_timeout)))
-            for s in args.outages]
+    plan = [(f"DDP, a {s} s outage",
+             lambda hosts, s=s: results["outages"].append(outage(hosts, s, args.outage_timeout))) for s in args.outages]
     plan += [(f"{launcher}, a lasting cut", lambda hosts, launcher=launcher: results["lasting"].append(
         lasting(hosts, launcher, args.dist_timeout))) for launcher in ("torchrun", "spawn")]
     plan += [("live recovery, a lasting cut", lambda hosts: results.update(
