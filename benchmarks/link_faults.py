@@ -1,6 +1,6 @@
 """What a failing link between two machines costs each launcher, measured on two hosts made on this machine.
 
-    sudo python -m benchmarks.link_faults                   # outages of 2, 5 and 10 s; lasting cuts; about 6 minutes
+    sudo python -m benchmarks.link_faults                   # outages of 2, 5 and 10 s; lasting cuts; a few minutes
     sudo python -m benchmarks.link_faults --outages 3 --dist-timeout 20
 
 The hosts are benchmarks.network's TwoHosts (network namespaces joined by a veth pair, a hostname each; root only), one
