@@ -1,21 +1,23 @@
 """What a failing link between two machines costs each launcher, measured on two hosts made on this machine.
 
     sudo python -m benchmarks.link_faults                   # outages of 2, 5 and 10 s; lasting cuts; a few minutes
-    sudo python -m benchmarks.link_faults --outages 3 --dist-timeout 20
+    sudo python -m benchmarks.link_faults --outages 3 --outage-timeout 20 --dist-timeout 20
 
 The hosts are benchmarks.network's TwoHosts (network namespaces joined by a veth pair, a hostname each; root only), one
 rank each; the link is set down on host 0's end as a pulled cable (nothing passes, no connection is reset):
-- an outage of S seconds after step 4 of DDP (distributed.py, its CpuSyncBatchNorm on, static torchrun): how long the
-  run printed no step line across it, against the median step;
+- an outage of S seconds after step 4 of DDP (distributed.py, its CpuSyncBatchNorm on, static torchrun, its
+  --dist-timeout set by --outage-timeout): how long the run printed no step line across it, against the median step;
 - a lasting cut after step 4, under torchrun and under the spawn script (distributed_mp.py --nnodes 2): the time from
   the cut to each host's exit, beside --dist-timeout, and the steps lost (the last step printed before the cut minus
   the newest checkpoint's, --save-every-steps 3);
 - live recovery (distributed_live_recovery.py; the lighthouse and replica group 0 on host 0, group 1 on host 1), the
-  link cut for good at group 0's step 20: how long group 0 stood still before training on alone, when group 1
-  ended; then the link back and group 1's same command again: the time from the link's return to its first step.
+  link cut for good at group 0's step 20, each step paced to 0.25 s: how long group 0 stood still before training on
+  alone, when group 1 ended; then the link back and group 1's same command again: the time from the link's return to
+  its first step.
 Every run is a fresh one in a temporary folder. Writes <output-dir>/link_faults.json and link_faults.md, each replaced
 whole after every measurement; stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
-tests/test_link_faults.py proves the same runs end where they should (the weights, the lines, no process left).
+tests/test_link_faults.py proves that the same commands end where they should (the weights, the lines, no process
+left).
 """
 import json
 import re

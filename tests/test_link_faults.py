@@ -209,9 +209,10 @@ ALONE = re.compile(r"^epoch 1/1 step (\d+)/240 .*, 1 of 2 replica groups")
 @pytest.mark.timeout(300)
 def test_a_partition_under_live_recovery_leaves_group_0_training_and_group_1_heals_once_back(hosts, tmp_path):
     """The lighthouse and replica group 0 on host 0, group 1 on host 1, the link cut for good at group 0's step 20:
-    group 0 trains on alone within --dist-timeout (its collective with group 1 gives up: torchft's own default held
-    it 60 s), group 1 ends with one line (its quorum waits --dist-timeout for the lighthouse; torchft 0.2.0 gives up
-    there); the link back, group 1's same command heals from group 0 and both end on the same weights."""
+    group 0 trains on alone within --dist-timeout (its collective with group 1 gives up: torchft's own default, 60 s,
+    held it about that long), group 1 ends with one line (its quorum waits --dist-timeout for the lighthouse; torchft
+    0.2.0 gives up there); the link back, group 1's same command heals from group 0 and both end on the same
+    weights."""
     lighthouse = link_faults.start_lighthouse(hosts, HEARTBEAT_S)
     groups = []
     try:
