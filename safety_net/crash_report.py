@@ -14,9 +14,11 @@ from utils.errors import exit_process, first_line, print_line, worker_lines
 
 # gloo's words when the other end of a connection is gone: a rank that failed, or was killed
 _PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
-# gloo's words when a collective's peer sent nothing for the process group's timeout: a rank hangs, its machine
-# stopped, or the network between the machines is down (no reset comes over a link that is down)
-_NO_ANSWER = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation")
+# gloo's words when a collective's peer sent nothing for the process group's timeout (or a later collective on the
+# connection that timeout closed): a rank hangs, its machine stopped, or the network between the machines is down (no
+# reset comes over a link that is down)
+_NO_ANSWER = re.compile(r"Timed out waiting (\d+)ms for (?:recv|send) operation"
+                        r"|Application timeout caused pair closure")
 _TORCH = os.path.dirname(os.path.dirname(torch.distributed.__file__))  # torch's own files: not where a user looks
 # installed packages and Python's own modules: what is left of a traceback is the user's (a script, a helper)
 _INSTALLED = tuple({sysconfig.get_paths()[kind] + os.sep for kind in ("purelib", "platlib", "stdlib")})
@@ -57,7 +59,7 @@ def crash_line(error: BaseException) -> str:
             filename = _shown(filename.strip('"'))
             where = f"{filename}:{line.removeprefix('line ')} {function}"
     elif waited := _NO_ANSWER.search(str(error)):
-        what, where = no_answer(int(waited[1]) / 1000, frames)
+        what, where = no_answer(int(waited[1]) / 1000 if waited[1] else None, frames)
     elif isinstance(error, TimeoutError) and any(frame.name == "_async_quorum" for frame in frames):
         what, where = ("no quorum from the torchft lighthouse within --dist-timeout: it, or the network to it, is "
                        "down; torchft 0.2.0 ends this replica group here: once the lighthouse answers, the same "
@@ -73,12 +75,15 @@ def crash_line(error: BaseException) -> str:
     return f"{what} ({where}; the traceback is in {path})"
 
 
-def no_answer(seconds: float, frames: list[traceback.FrameSummary]) -> tuple[str, str]:
-    """(what, where) of a collective that no other rank answered for `seconds`: torch's function (all_reduce,
-    barrier, ...) and the line outside torch that called it, for the user's words."""
-    called = next((frame.name for frame in reversed(frames) if frame.filename.startswith(_TORCH)
-                   and "distributed_c10d" in frame.filename), "a collective")
-    return (f"no answer from another rank for {seconds:g} s in {called} (--dist-timeout sets the wait): that rank "
+def no_answer(seconds: float | None, frames: list[traceback.FrameSummary]) -> tuple[str, str]:
+    """(what, where) of a collective that no other rank answered for `seconds` (None: the process group's timeout,
+    not said): torch's function (all_reduce, barrier, ...) and the line outside torch that called it, for the user's
+    words."""
+    called = next((f"DDP's {frame.name}" if frame.filename.endswith("parallel/distributed.py") else frame.name
+                   for frame in reversed(frames) if frame.filename.startswith(_TORCH)
+                   and (frame.filename.endswith(("distributed_c10d.py", "parallel/distributed.py")))), "a collective")
+    waited = f"for {seconds:g} s" if seconds is not None else "within --dist-timeout"
+    return (f"no answer from another rank {waited} in {called} (--dist-timeout sets the wait): that rank "
             "hangs, its machine stopped, or the network between the machines is down; once all can meet again, the "
             "same command continues from the last checkpoint"), _our_line(frames)
 

@@ -17,6 +17,7 @@ from script_runs import ROOT, load_checkpoint, subprocess_env
 
 from benchmarks import link_faults, network
 from benchmarks.link_faults import CUT_AFTER, PORT, STEP, TORCHRUN, TRAINING, stood_still
+from safety_net import crash_report
 
 TIMEOUT_S = 10  # --dist-timeout
 STEPS = 12  # a global batch of 8 over TRAINING's 96 images
@@ -246,3 +247,29 @@ def test_a_partition_under_live_recovery_leaves_group_0_training_and_group_1_hea
               for g in (0, 1)]
     for name, tensor in states[0]["model"].items():
         assert torch.equal(states[1]["model"][name], tensor), name
+
+
+@pytest.mark.parametrize(("message", "said"), [
+    ("[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 20000ms for recv operation to complete",
+     "no answer from another rank for 20 s in a collective (--dist-timeout sets the wait): "),
+    ("Application timeout caused pair closure", "no answer from another rank within --dist-timeout in a collective")])
+def test_a_collective_no_rank_answered_is_told_in_the_users_words(message, said):
+    """gloo's two ways of saying the process group's timeout ran out (the first collective to wait it out, and a later
+    one on the connection it closed), as the lasting cut's runs meet them."""
+    try:
+        raise RuntimeError(message)
+    except RuntimeError as error:
+        line = crash_report.crash_line(error)
+    assert line.startswith(said) and "the same command continues from the last checkpoint (" in line \
+        and "test_link_faults.py:" in line, line  # the line that called it, outside installed packages
+
+
+def test_a_replica_group_without_a_quorum_is_told_in_the_users_words():
+    def _async_quorum():  # torchft's Manager method whose quorum wait runs out
+        raise TimeoutError('status: Cancelled, message: "Timeout expired"')
+
+    try:
+        _async_quorum()
+    except TimeoutError as error:
+        line = crash_report.crash_line(error)
+    assert line.startswith("no quorum from the torchft lighthouse within --dist-timeout: "), line
