@@ -19,6 +19,7 @@ whole after every measurement; stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what 
 tests/test_link_faults.py proves that the same commands end where they should (the weights, the lines, no process
 left).
 """
+import itertools
 import json
 import re
 import shlex
@@ -93,11 +94,12 @@ def start_lighthouse(hosts, heartbeat_s: float) -> subprocess.Popen:
     return lighthouse
 
 
-def both(hosts, launched: list[Launched], during) -> list[Launched]:
-    """`during(launched)` while they run; back once all have exited, the link up again; killed with every process of
-    theirs if anything fails or the benchmark is stopped."""
+def both(hosts, launched: list[Launched], during=None) -> list[Launched]:
+    """`during(launched)` while they run (if given); back once all have exited, the link up again; killed with every
+    process of theirs if anything fails or the benchmark is stopped."""
     try:
-        during(launched)
+        if during:
+            during(launched)
         for one in launched:
             one.status, one.exited = one.ended()
         return launched
@@ -106,6 +108,18 @@ def both(hosts, launched: list[Launched], during) -> list[Launched]:
         for one in launched:
             if one.proc.poll() is None:
                 one.kill()
+
+
+def cut_after(hosts, launched: Launched, step: int, seconds: float | None = None) -> float:
+    """The link down once `launched` printed its line of step `step` (of an epoch of one), and up again after
+    `seconds` (None: left down); when it went down."""
+    launched.wait_for(re.compile(rf"^epoch 1/1 step {step}/"))
+    hosts.set_link(False)
+    cut_at = time.monotonic()
+    if seconds is not None:
+        time.sleep(seconds)
+        hosts.set_link(True)
+    return cut_at
 
 
 def stood_still(launched: Launched, cut_at: float) -> float | None:
@@ -121,18 +135,13 @@ def outage(hosts, seconds: float, dist_timeout: int) -> dict:
     cut = {}
 
     def down_then_up(launched):
-        launched[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
-        hosts.set_link(False)
-        cut["at"] = time.monotonic()
-        time.sleep(seconds)
-        hosts.set_link(True)
+        cut["at"] = cut_after(hosts, launched[0], CUT_AFTER, seconds)
 
     with tempfile.TemporaryDirectory() as out:
         first, second = both(hosts, [Launched(*host_command(hosts, h, out, extra=("--dist-timeout", str(dist_timeout))))
                                      for h in (0, 1)], down_then_up)
-    steps = first.steps()
-    step_s = statistics.median(steps[s] - steps[s - 1] for s in range(2, max(steps) + 1) if s - 1 in steps and s in
-                               steps)
+    whens = sorted(first.steps().values())
+    step_s = statistics.median(later - earlier for earlier, later in itertools.pairwise(whens))
     return {"outage_s": seconds, "status": [first.status, second.status],
             "stood_still_s": stood_still(first, cut["at"]), "step_s": step_s}
 
@@ -142,9 +151,7 @@ def lasting(hosts, launcher: str, dist_timeout: int) -> dict:
     cut = {}
 
     def for_good(launched):
-        launched[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
-        hosts.set_link(False)
-        cut["at"] = time.monotonic()
+        cut["at"] = cut_after(hosts, launched[0], CUT_AFTER)
         for one in launched:
             one.status, one.exited = one.ended()
 

@@ -16,7 +16,7 @@ from processes import Machine, two_hosts
 from script_runs import ROOT, load_checkpoint, subprocess_env
 
 from benchmarks import link_faults, network
-from benchmarks.link_faults import CUT_AFTER, PORT, STEP, TORCHRUN, TRAINING, stood_still
+from benchmarks.link_faults import CUT_AFTER, PORT, STEP, TORCHRUN, TRAINING, cut_after, stood_still
 from safety_net import crash_report
 
 TIMEOUT_S = 10  # --dist-timeout
@@ -48,18 +48,7 @@ def hosts():
 def run_both(hosts, output_dir, launcher: str = "torchrun", during=None, **script) -> list[Machine]:
     """Both hosts' launchers on `output_dir` (`script`: Host's script and flags); `during(machines)` while they run;
     back once both have exited, or killed with every process of theirs when the test fails."""
-    machines = [on_host(hosts, host, output_dir, launcher, **script) for host in (0, 1)]
-    try:
-        if during:
-            during(machines)
-        for machine in machines:
-            machine.status, machine.exited = machine.ended()
-        return machines
-    finally:
-        hosts.set_link(True)
-        for machine in machines:
-            if machine.proc.poll() is None:
-                machine.kill()
+    return link_faults.both(hosts, [on_host(hosts, host, output_dir, launcher, **script) for host in (0, 1)], during)
 
 
 @pytest.fixture(scope="module")
@@ -70,16 +59,6 @@ def never_cut(hosts, tmp_path_factory):
     for machine in run_both(hosts, out):
         assert machine.status == 0, machine.text()[-3000:]
     return load_checkpoint(out)["model"]
-
-
-def outage(hosts, machine: Machine, after_step: int) -> float:
-    """The link down for OUTAGE_S once `machine` printed step `after_step`'s line, then up; when it went down."""
-    machine.wait_for(re.compile(rf"^epoch 1/1 step {after_step}/"))
-    hosts.set_link(False)
-    cut_at = time.monotonic()
-    time.sleep(OUTAGE_S)
-    hosts.set_link(True)
-    return cut_at
 
 
 def assert_same_weights(expected: dict, output_dir):
@@ -101,7 +80,7 @@ def test_a_short_outage_is_waited_out_and_the_run_ends_on_the_uncut_weights(laun
     cut = {}
 
     def one_outage(machines):
-        cut["at"] = outage(hosts, machines[0], CUT_AFTER)
+        cut["at"] = cut_after(hosts, machines[0], CUT_AFTER, OUTAGE_S)
 
     first, second = run_both(hosts, tmp_path, launcher, one_outage)
     assert first.status == second.status == 0, first.text()[-3000:] + second.text()[-3000:]
@@ -123,9 +102,7 @@ def test_a_lasting_cut_ends_every_process_in_time_and_the_same_command_continues
     cut = {}
 
     def for_good(machines):
-        machines[0].wait_for(re.compile(rf"^epoch 1/1 step {CUT_AFTER}/"))
-        hosts.set_link(False)
-        cut["at"] = time.monotonic()
+        cut["at"] = cut_after(hosts, machines[0], CUT_AFTER)
         for machine in machines:
             machine.status, machine.exited = machine.ended()
         cut["left"] = namespace_processes(hosts)  # before the link comes back, as a user would find them
@@ -191,7 +168,7 @@ def test_diloco_waits_out_an_outage_inside_a_round_and_one_across_its_all_reduce
 
     def two_outages(machines):
         for after_step in (1, 7):
-            cuts.append(outage(hosts, machines[0], after_step))
+            cuts.append(cut_after(hosts, machines[0], after_step, OUTAGE_S))
 
     first, second = run_both(hosts, tmp_path / "cut", during=two_outages, **DILOCO)
     for machine in (first, second):
