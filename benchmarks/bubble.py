@@ -5,8 +5,8 @@ stage's idle share of the schedule's span beside the theory, (S-1)/(M+S-1).
     python -m benchmarks.bubble --stages 4 --microbatches 4,8,16 --device cuda   # on 4 GPUs
 
 Each measurement is a run of `torchrun --nproc_per_node=S distributed_pipeline.py --profile-steps 3` on synthetic
-data: 2 steps of warm-up, 3 recorded (benchmarks.timeline reads their traces), each rank's idle share per recorded
-step (benchmarks.timeline.pipeline_idle: the time in the span from the first forward or backward operator of the
+data: 2 steps of warm-up, 3 recorded (tools.timeline reads their traces), each rank's idle share per recorded
+step (tools.timeline.pipeline_idle: the time in the span from the first forward or backward operator of the
 step on any rank to the last, during which the rank runs none of its own), the median over the steps. The theory
 assumes every stage takes the same time per micro-batch and sending takes none. On the CPU give each stage a core
 of its own (S at most the cores): stages sharing a core run while their neighbours wait, and fill the bubble.
@@ -21,8 +21,8 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from benchmarks import run as benchmark
-from benchmarks import timeline
 from benchmarks.commit import git_commit
+from tools import timeline
 from utils import flags, pipelining
 from utils.errors import UsageError, exit_on_error
 

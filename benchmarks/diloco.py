@@ -5,7 +5,7 @@
     python -m benchmarks.diloco --ranks 4 --sync-every 1,8 --steps 32
 
 The counts: each rank runs the scripts' own train_one_epoch (distributed_diloco.py's with its end_round) over random
-images while torch.distributed's collectives are counted (benchmarks.sharding's CountedCollectives), step by step. DDP
+images while torch.distributed's collectives are counted (benchmarks.ladder's CountedCollectives), step by step. DDP
 is built as distributed.py --no-sync-bn builds it (no SyncBatchNorm, whose 40 small all-reduces a step DiLoCo has no
 use for; gradients as bucket views; torch's bucket size), with torch's allreduce_hook registered: DDP's own all-reduce
 calls gloo from C++, the hook calls dist.all_reduce, which the counter sees, on the same buckets. The images are 8x8:
@@ -44,7 +44,7 @@ import distributed_diloco
 from benchmarks import network
 from benchmarks import run as benchmark
 from benchmarks.commit import git_commit
-from benchmarks.sharding import CountedCollectives
+from benchmarks.ladder import CountedCollectives
 from utils import flags, models
 from utils.spawn import free_port
 

@@ -18,14 +18,14 @@ and no start-up. As each line arrives, this program reads how many bytes each ho
 (/proc/<launcher pid>/net/dev, in the host's namespace): the bytes of the timed steps.
 
 At the first (fastest) rate each row also runs a third epoch and records steps 3 to --steps + 3 with --profile-steps:
-the collectives of the last of them (the second epoch's second step), read from the traces as benchmarks/timeline.py
+the collectives of the last of them (the second epoch's second step), read from the traces as tools/timeline.py
 reads them, and the bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters.
 There the timed steps are those after the recorded ones, each epoch's first left out: the second epoch's last
 --steps - 1 and the third epoch's last --steps (7 with the default 4). Compute alone is the bare step
 (benchmarks/bare_step.py: the same per-rank batch, no process group), one process pinned on each host's core, both at
 once; the floor a rate sets is max(compute alone, bytes the busier host sends per step / rate), and step / floor is
 what each row is judged by. Then a --profile-steps timeline of DDP at the rate where its bytes take as long as its
-backward (benchmarks.timeline's lanes, into timeline.png), and what each gradient compression costs in learning: the
+backward (tools.timeline's lanes, into timeline.png), and what each gradient compression costs in learning: the
 loss after the same steps on the learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this
 machine, unshaped: the loss does not depend on the link).
 
@@ -56,9 +56,9 @@ from pathlib import Path
 import torch
 
 from benchmarks import run as benchmark
-from benchmarks import timeline
 from benchmarks.commit import git_commit
 from examples.local_processes import alive
+from tools import timeline
 from utils import flags
 from utils.errors import UsageError, exit_on_error
 

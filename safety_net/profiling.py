@@ -1,6 +1,6 @@
 """--profile-steps N: torch.profiler records N training steps on every rank, after a short warm-up, and each rank
 writes its trace to <output-dir>/profile/rank<R>.json. Open one in https://ui.perfetto.dev or chrome://tracing,
-or draw them all: python -m benchmarks.timeline <output-dir>.
+or draw them all: python -m tools.timeline <output-dir>.
 
 The safety net makes it in running(), starts it as the first epoch starts (start), steps it in step_done (step) and says
 where the traces are at the end (last_line); without the flag it is never made, and torch.profiler not imported.
@@ -22,7 +22,7 @@ def add_flag(group) -> None:
                        help=f"record N training steps with torch.profiler (CPU and CUDA activities) after "
                             f"{SKIPPED_STEPS + WARMUP_STEPS} steps of warm-up, one trace per rank in "
                             f"<output-dir>/{FOLDER}/ (open in https://ui.perfetto.dev or chrome://tracing; draw with "
-                            f"python -m benchmarks.timeline <output-dir>). Its cost, on the recorded steps only: "
+                            f"python -m tools.timeline <output-dir>). Its cost, on the recorded steps only: "
                             f"each operator and its input shapes recorded (5-10%% slower steps of ResNet-18 on the "
                             f"CPU), and 1-3 MB of trace per rank and step, written in well under a second")
 
@@ -67,7 +67,7 @@ class StepProfiler:
         os.environ.setdefault("KINETO_LOG_LEVEL", "6")
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device_type == "cuda" else [])
         when = schedule(wait=SKIPPED_STEPS, warmup=WARMUP_STEPS, active=self.steps, repeat=1)
-        # record_shapes: the collectives' sizes (benchmarks.timeline); all threads: those a callback starts (PowerSGD's)
+        # record_shapes: the collectives' sizes (tools.timeline); all threads: those a callback starts (PowerSGD's)
         self.profiler = profile(activities=activities, schedule=when, on_trace_ready=self._write, record_shapes=True,
                                 experimental_config=_ExperimentalConfig(profile_all_threads=True))
         self.profiler.start()
@@ -99,4 +99,4 @@ class StepProfiler:
         first = SKIPPED_STEPS + WARMUP_STEPS + 1
         return (f"profile of steps {first}-{first + self.steps - 1}: {world_size} trace(s) in {self.folder}/ "
                 f"(rank0.json, ...); open one in https://ui.perfetto.dev or chrome://tracing, or draw them: "
-                f"python -m benchmarks.timeline {output_dir}")
+                f"python -m tools.timeline {output_dir}")

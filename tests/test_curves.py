@@ -1,11 +1,11 @@
-"""Curves to look at: --tensorboard's events, and benchmarks.plot drawing several runs into one PNG."""
+"""Curves to look at: --tensorboard's events, and tools.plot drawing several runs into one PNG."""
 import json
 
 import pytest
 from script_runs import TINY, check, launcher, read_metrics, run, run_main
 
-from benchmarks import plot
 from safety_net.metrics_log import MetricsLog
+from tools import plot
 
 
 def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):

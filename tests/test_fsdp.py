@@ -21,7 +21,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_fsdp as script
-from benchmarks.sharding import optimizer_state_bytes
+from benchmarks.ladder import optimizer_state_bytes
 from safety_net import checkpoint
 from safety_net.checkpoint import Options
 from safety_net.sharded_checkpoint import ShardedCheckpoint
@@ -279,7 +279,7 @@ def shard_with_a_unit_per_norm(model: nn.Module, amp_dtype: torch.dtype) -> nn.M
 def bfloat16_layouts(rank, world_size):
     """Three bfloat16 steps of the script's shard() and of the layout before it (a unit per BatchNorm layer), the
     same data on each: the collectives of the second step of each, and the weights each ends with."""
-    from benchmarks.sharding import CountedCollectives
+    from benchmarks.ladder import CountedCollectives
     out = {}
     for name, shard in (("shard", lambda m: script.shard(m, torch.bfloat16, True)),
                         ("unit per norm", lambda m: shard_with_a_unit_per_norm(m, torch.bfloat16))):

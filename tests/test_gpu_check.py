@@ -1,4 +1,4 @@
-"""python -m benchmarks.gpu_check: what the CPU can prove of the GPU check (its steps, limits, report and refusals);
+"""python -m lent_gpu.check: what the CPU can prove of the GPU check (its steps, limits, report and refusals);
 its steps themselves run on a lent GPU."""
 import json
 import sys
@@ -7,7 +7,7 @@ import pytest
 import torch
 from script_runs import run_main
 
-from benchmarks import gpu_check
+from lent_gpu import check as gpu_check
 
 
 def plan_lines(said: str) -> tuple[list[tuple], int]:
@@ -69,8 +69,8 @@ def test_the_steps_run_in_the_planned_order_and_the_rows_that_answer_open_questi
                                        "job-compiled-cuda-graphs", "timeline", "rows-rest", "rows-float16"]
     tests = steps[3].command
     assert tests[tests.index("-m", 2) + 1] == "gpu" and tests[-1] == "tests"  # every test marked gpu, in any file
-    assert tests[tests.index("--dist") + 1] == "load" and "benchmarks.gpu_check" in tests  # each result as it ends
-    assert "distributed.py" in steps[6].command[-1] and "benchmarks.timeline" in steps[6].command[-1]
+    assert tests[tests.index("--dist") + 1] == "load" and "lent_gpu.check" in tests  # each result as it ends
+    assert "distributed.py" in steps[6].command[-1] and "tools.timeline" in steps[6].command[-1]
     assert steps[4].command[2:] == ["benchmarks.fsdp_profile", "--device", "cuda", "--batch-size", "256",
                                     "--precision", "bfloat16"]
     from benchmarks import run as bench
@@ -196,7 +196,7 @@ def test_the_readers_turn_each_steps_output_into_one_line(tmp_path):
 
 
 def test_pytest_with_this_module_as_its_plugin_writes_each_tests_result_as_it_ends(tmp_path):
-    """What the tests step runs: pytest -p benchmarks.gpu_check, under xdist (its controller writes, not its
+    """What the tests step runs: pytest -p lent_gpu.check, under xdist (its controller writes, not its
     workers), a line as each test starts and one as it ends, its outcome and why."""
     import os
     import subprocess
@@ -205,7 +205,7 @@ def test_pytest_with_this_module_as_its_plugin_writes_each_tests_result_as_it_en
         "@pytest.mark.skip(reason='not here')\ndef test_skipped():\n    pass\n")
     log = tmp_path / "tests.jsonl"
     env = {**os.environ, gpu_check.TESTS_LOG: str(log)}
-    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "benchmarks.gpu_check",
+    ran = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "lent_gpu.check",
                           "-n", "1", str(tmp_path / "test_some.py")], cwd=gpu_check.ROOT, env=env, capture_output=True,
                          text=True, timeout=120)
     assert ran.returncode == 1 and "1 failed, 1 passed, 1 skipped" in ran.stdout, ran.stdout + ran.stderr

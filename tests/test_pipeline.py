@@ -16,8 +16,8 @@ import torch
 from processes import Run
 from script_runs import TINY, check, launcher, read_metrics, run
 
-from benchmarks import timeline
 from safety_net.sharded_checkpoint import to_single_file
+from tools import timeline
 
 STEPS = ["--train-samples", "96", "--microbatches", "4"]  # 6 steps of the global batch of 16 in TINY
 

@@ -1,4 +1,4 @@
-"""--profile-steps (safety_net/profiling.py) and the picture of its traces (benchmarks/timeline.py): every rank's
+"""--profile-steps (safety_net/profiling.py) and the picture of its traces (tools/timeline.py): every rank's
 trace holds its strategy's collectives where they belong, the picture renders, bad values are one line, and a run
 without the flag records nothing."""
 import json
@@ -9,7 +9,7 @@ import torch
 from script_runs import TINY, check, launcher, run, run_main, stop_handlers_undone
 from test_bad_input import assert_one_line_error
 
-from benchmarks import timeline
+from tools import timeline
 
 RUN_TIMEOUT = 180  # one tiny run of 3 steps on 2 ranks: 15-25 s on 2 cores
 

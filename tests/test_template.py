@@ -1,5 +1,5 @@
 """Copying a script as a template, step by step as docs/template.md says, with the page's own commands and blocks:
-distributed.py and exactly the files `python -m benchmarks.copy_size --files distributed.py` lists, copied by the
+distributed.py and exactly the files `python -m tools.copy_size --files distributed.py` lists, copied by the
 page's command; the data functions replaced by the page's (an image folder of PNG files), the model by another
 torchvision model, ARCH renamed, --help's description rewritten. The copy trains under torchrun on 2 CPU ranks,
 stops on Ctrl-C with a checkpoint, continues, evaluates exactly at another world size, refuses a checkpoint of
@@ -25,7 +25,7 @@ from PIL import Image
 from processes import Run
 from script_runs import ROOT, check, load_checkpoint, read_metrics, subprocess_env
 
-from benchmarks import copy_size
+from tools import copy_size
 from utils import models
 
 CLASSES = 6
@@ -270,7 +270,7 @@ def test_torchruns_report_after_a_refusal_ends_by_pointing_at_its_line(tmp_path,
 
 
 def test_the_page_counts_each_copy_as_the_command_does(capsys):
-    """docs/template.md's table of what each copy takes is what `python -m benchmarks.copy_size` prints now, its
+    """docs/template.md's table of what each copy takes is what `python -m tools.copy_size` prints now, its
     last row measured on the page's own diff applied; the copy of distributed.py takes nothing of safety_net/ once
     the diff is applied, nor of speed/ but its techniques; the page's lists of the files to copy are what
     `--files` prints, and `--diff` prints the page's diff."""

@@ -1,11 +1,11 @@
-"""benchmarks/timeline.py's GPU branch, on a made-up trace as torch.profiler writes one on a GPU: the device's
+"""tools/timeline.py's GPU branch, on a made-up trace as torch.profiler writes one on a GPU: the device's
 kernels are the compute (each in the category of the operator that launched it), NCCL's kernels the
 communication, named and sized in whatever words and dtype names the trace uses."""
 import json
 
 import pytest
 
-from benchmarks import timeline
+from tools import timeline
 
 
 def gpu_trace(rank: int = 0) -> dict:

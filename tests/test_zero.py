@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed_zero as script
-from benchmarks.sharding import optimizer_state_bytes
+from benchmarks.ladder import optimizer_state_bytes
 from safety_net.checkpoint import Checkpoint, Options
 from utils import models
 from utils.launch import Env

@@ -1,7 +1,7 @@
 """Training curves of several runs side by side, from their metrics.jsonl, in one PNG.
 
-    python -m benchmarks.plot runs/*                          # every run under runs/, into curves.png
-    python -m benchmarks.plot runs/distributed runs/dataparallel --output compare.png
+    python -m tools.plot runs/*                          # every run under runs/, into curves.png
+    python -m tools.plot runs/distributed runs/dataparallel --output compare.png
 
 Four panels: training loss and top-1 test accuracy, each against the epoch and against the wall time
 spent training (the sum of the epochs' epoch_time_s, evaluation not included). Each run is named by its
@@ -63,7 +63,7 @@ def draw(runs: dict[str, list[dict]], output: Path) -> None:
 
 
 def main(argv=None) -> None:
-    parser = flags.Parser(prog="python -m benchmarks.plot", description=__doc__.splitlines()[0],
+    parser = flags.Parser(prog="python -m tools.plot", description=__doc__.splitlines()[0],
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR",
                         help="output directories of runs (each holding a metrics.jsonl)")

@@ -1,12 +1,12 @@
 """How many lines a copy of each script must take: the script and every module of this repository it imports,
 directly or through another (docs/template.md's table, which tests/test_template.py keeps true).
 
-    python -m benchmarks.copy_size                                          # the table, in Markdown
-    python -m benchmarks.copy_size --files distributed.py                   # the files to copy, one a line
-    python -m benchmarks.copy_size --files distributed.py --without-safety-net   # those of the lean copy
-    python -m benchmarks.copy_size --diff                                   # the lean copy's change, for git apply
+    python -m tools.copy_size                                          # the table, in Markdown
+    python -m tools.copy_size --files distributed.py                   # the files to copy, one a line
+    python -m tools.copy_size --files distributed.py --without-safety-net   # those of the lean copy
+    python -m tools.copy_size --diff                                   # the lean copy's change, for git apply
 
-    cp --parents $(python -m benchmarks.copy_size --files distributed.py) ../my_project/   # in this repository's root
+    cp --parents $(python -m tools.copy_size --files distributed.py) ../my_project/   # in this repository's root
 
 Lines are physical lines of the files as they are (at the repository's ruff settings, line length 120), comments
 and docstrings included; "code" leaves out blank lines, comments and docstrings. The lean copy is distributed.py
@@ -131,7 +131,7 @@ def files(script: str, without_safety_net: bool = False) -> list[str]:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.copy_size", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tools.copy_size", description=__doc__.split("\n\n")[0])
     parser.add_argument("--files", choices=SCRIPTS, metavar="SCRIPT",
                         help="print the files a copy of SCRIPT takes, one a line, relative to the repository's root "
                              "(for cp --parents), instead of the table; SCRIPT: " + ", ".join(SCRIPTS))

@@ -1,8 +1,7 @@
 """A picture of a run's profiled steps (--profile-steps): per rank, a lane of compute and a lane of communication.
 
     torchrun --standalone --nproc_per_node=2 distributed.py --device cpu --profile-steps 2   # records the traces
-    python -m benchmarks.timeline runs/distributed                      # into runs/distributed/timeline.png
-    python -m benchmarks.timeline --every-script docs/timelines         # every script on the CPU: a few minutes
+    python -m tools.timeline runs/distributed                      # into runs/distributed/timeline.png
 
 Compute is what each rank's threads run, operator by operator (the innermost ones: a wait for a collective is a
 gap), coloured forward, backward (autograd's functions) or optimizer (its step and zero_grad); on a GPU, the
@@ -11,13 +10,9 @@ GPU), named as the program asked for it, with its size. The number is the share 
 the same rank computes (merged intervals, summed over the ranks): HolisticTraceAnalysis's overlap, computed here
 because HTA counts only GPU kernels (nothing in a CPU trace) and needs pandas, plotly and jupyterlab.
 
---every-script runs each script through its launcher on the CPU (gloo, 2 ranks, synthetic data, float32 where the
-CPU has no native bfloat16), each into runs/timelines/<name> (emptied first), and draws <folder>/<name>.png: the
-pictures of docs/timelines.md. distributed_live_recovery.py's two replica groups need torchft (left out without it).
 """
 import io
 import json
-import shutil
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -399,81 +394,15 @@ def read_run(run_dir: Path) -> list[Lane]:
     return [read_lane(name, trace, origin) for name, trace in traces.items()]
 
 
-PIPELINE = ["--batch-size", "64", "--train-samples", "256", "--microbatches", "4"]
-# name -> (how it starts, script, its own flags): the pictures of docs/timelines.md
-EVERY_SCRIPT = {
-    "dataparallel": ("python", "dataparallel.py", ["--batch-size", "8"]),  # one process: the per-rank batch
-    "distributed": ("torchrun", "distributed.py", []),
-    "distributed_no_sync_bn": ("torchrun", "distributed.py", ["--no-sync-bn"]),
-    "distributed_mp": ("spawn", "distributed_mp.py", []),
-    "distributed_apex": ("spawn", "distributed_apex.py", []),
-    "distributed_gradient_accumulation": ("spawn", "distributed_gradient_accumulation.py",
-                                          ["--grad-accu-steps", "2", "--no-sync-bn"]),
-    "distributed_zero": ("torchrun", "distributed_zero.py", []),
-    "distributed_fsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0"]),
-    "distributed_fsdp_hsdp": ("torchrun", "distributed_fsdp.py", ["--opt-level", "O0", "--replicas", "2"]),
-    "distributed_live_recovery": ("replica groups", "distributed_live_recovery.py", []),
-    # 2 stages, each batch of 64 in 4 micro-batches of 16 (larger than the others': a micro-batch of 4 is mostly the
-    # schedule's own overhead on a CPU): 1F1B and GPipe, the bubble measured in the title
-    "distributed_pipeline": ("torchrun", "distributed_pipeline.py", PIPELINE),
-    "distributed_pipeline_gpipe": ("torchrun", "distributed_pipeline.py", PIPELINE + ["--schedule", "gpipe"]),
-}
-RANKS = {"distributed_fsdp_hsdp": 4}  # HSDP's 2 x 2 mesh; every other picture has 2 ranks
-# 4 steps of a global batch of 16 (8 per rank; 4 on HSDP's 4 ranks): 2 of warm-up, then the 2 recorded
-EVERY_SCRIPT_FLAGS = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "64", "--test-samples", "16",
-                      "--batch-size", "16", "--epochs", "1", "--workers", "0", "--print-freq", "1000",
-                      "--profile-steps", "2"]
-
-
-def draw_every_script(folder: Path, runs: Path, only: list[str] | None = None) -> None:
-    """Each script of EVERY_SCRIPT (or those named in `only`) run on the CPU into runs/<name> (emptied first) and
-    drawn into folder/<name>.png."""
-    from benchmarks import run as benchmark  # its launchers, and the lighthouse of the replica groups
-
-    folder.mkdir(parents=True, exist_ok=True)
-    for name, (start, script, own) in EVERY_SCRIPT.items():
-        if only and name not in only:
-            continue
-        if start == "replica groups" and not benchmark.importable("torchft"):
-            print(f"{name}: left out, it needs torchft (pip install torchft)")
-            continue
-        out = runs / name
-        shutil.rmtree(out, ignore_errors=True)
-        row = benchmark.Row(name, script, start)
-        ranks = RANKS.get(name, 2)
-        cmd = benchmark.launch(row, nprocs=ranks) + EVERY_SCRIPT_FLAGS + own + ["--output-dir", str(out)]
-        env = benchmark.threads_env(ranks)
-        result = (benchmark.run_replica_groups(cmd, 2, env) if start == "replica groups"
-                  else benchmark.run_stoppable(cmd, env))
-        if result.returncode:
-            raise UsageError(f"{name} failed: {benchmark.why_it_failed(result.stderr)}")
-        lanes = read_run(out)
-        ran_as = {"python": "one process", "replica groups": "2 replica groups of one process (gloo)"}.get(
-            start, f"{ranks} ranks (gloo)")
-        title = f"{script} {' '.join(own)}".strip() + f": 2 recorded steps of {ran_as}"
-        draw(lanes, title, folder / f"{name}.png")
-        print(f"{name}: {summary_text(lanes)} -> {folder / name}.png", flush=True)
-
-
 def main(argv=None) -> None:
-    parser = flags.Parser(prog="python -m benchmarks.timeline", description=__doc__.splitlines()[0],
+    parser = flags.Parser(prog="python -m tools.timeline", description=__doc__.splitlines()[0],
                           formatter_class=flags.HelpFormatter)
-    parser.add_argument("run", nargs="?", type=Path, metavar="RUN_DIR",
+    parser.add_argument("run", type=Path, metavar="RUN_DIR",
                         help="a run's --output-dir, recorded with --profile-steps N")
     parser.add_argument("--output", type=Path, default=None, help="the PNG to write (default: RUN_DIR/timeline.png)")
     parser.add_argument("--title", default=None, help="the picture's title (default: RUN_DIR's name)")
-    parser.add_argument("--every-script", type=Path, default=None, metavar="FOLDER",
-                        help="run every script on the CPU (2 ranks, a few steps) and draw each into FOLDER/<name>.png")
-    parser.add_argument("--only", action="append", choices=list(EVERY_SCRIPT), metavar="NAME",
-                        help=f"with --every-script: only this picture (repeatable): {', '.join(EVERY_SCRIPT)}")
-    parser.add_argument("--runs", type=Path, default=Path("runs/timelines"),
-                        help="with --every-script: where the runs go, each in a folder of its name (emptied first)")
     args = parser.parse_args(argv)
-    if (args.run is None) == (args.every_script is None):
-        parser.error("give a RUN_DIR, or --every-script FOLDER")
     with exit_on_error():
-        if args.every_script:
-            return draw_every_script(args.every_script, args.runs, args.only)
         lanes = read_run(args.run)
         output = args.output or args.run / "timeline.png"
         if not output.parent.is_dir():

@@ -1,9 +1,9 @@
 """The one prepared check for a lent GPU's few minutes: its steps in order of value, each under its own time limit,
 the report written after every step, so that a check cut short still reports what it found.
 
-    python -m benchmarks.gpu_check --output-dir benchmarks/results/gpu-h100     # at most 480 s (--budget-s)
-    python -m benchmarks.gpu_check --dry-run                                    # the plan: its budget, its commands
-    python -m benchmarks.gpu_check --only tests,job --output-dir DIR            # some steps again
+    python -m lent_gpu.check --output-dir benchmarks/results/gpu-h100     # at most 480 s (--budget-s)
+    python -m lent_gpu.check --dry-run                                    # the plan: its budget, its commands
+    python -m lent_gpu.check --only tests,job --output-dir DIR            # some steps again
 
 The steps, in this order: the date, the commit and the versions (the device, driver, torch, torchvision, triton,
 CUDA, cuDNN, NCCL, Python); the benchmark's rows that answer open questions (python -m benchmarks.run: our fastest,
@@ -67,7 +67,7 @@ FIRST_ROWS = ["DDP + bfloat16, CUDA graphs, compiled",
 FIRST_OF_THE_REST = ["DDP + bfloat16 autocast", "plain tutorial DDP loop + bfloat16 autocast", "bare step, compiled",
                      "bare step, CUDA graphs", "DDP + bfloat16, CUDA graphs", "DDP + bfloat16, all techniques",
                      "FSDP (fully_shard)", "FSDP, no reshard after forward", "seed", "DDP (spawn)", "peers", "others"]
-# distributed.py's few profiled steps on one GPU, for its timeline (benchmarks/timeline.py)
+# distributed.py's few profiled steps on one GPU, for its timeline (tools/timeline.py)
 TIMELINE_RUN = ["--dataset", "synthetic", "--train-samples", "8192", "--test-samples", "512", "--batch-size", "256",
                 "--epochs", "1", "--workers", "4", "--print-freq", "100", "--device", "cuda", "--profile-steps", "3"]
 # how torch.cuda.set_sync_debug_mode("warn") words each host wait (not its notice that the mode is a prototype)
@@ -154,10 +154,10 @@ def benchmark(name: str, rows: list[str], out: Path, limit_s: int, min_s: int, w
 
 def steps(out: Path) -> list[Step]:
     """Every step, in the order they run."""
-    me = [sys.executable, "-m", "benchmarks.gpu_check"]
+    me = [sys.executable, "-m", "lent_gpu.check"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1"]
     timeline = shlex.join([*torchrun, "distributed.py", *TIMELINE_RUN, "--output-dir", "{tmp}/run"]) + " && " + \
-        shlex.join([sys.executable, "-m", "benchmarks.timeline", "{tmp}/run", "--output",
+        shlex.join([sys.executable, "-m", "tools.timeline", "{tmp}/run", "--output",
                     str(out / "timeline-distributed.png"), "--title", "distributed.py, one GPU"])
     groups = benchmark_groups()
     return [
@@ -180,7 +180,7 @@ def steps(out: Path) -> list[Step]:
         Step("tests", 155, "the tests marked gpu at this commit (pytest -m gpu tests/), each one's result in "
                            "tests.jsonl as it ends",
              [sys.executable, "-m", "pytest", "-q", "-rA", "-m", "gpu", "-n", "6", "--dist", "load", "-p",
-              "no:cacheprovider", "-p", "benchmarks.gpu_check", "--timeout", "140", "tests"], read="pytest", starts=2,
+              "no:cacheprovider", "-p", "lent_gpu.check", "--timeout", "140", "tests"], read="pytest", starts=2,
              min_s=60, env={TESTS_LOG: "{out}/tests.jsonl"}),
         Step("fsdp-profile", 50, "FSDP against DDP on one GPU, bfloat16, batch 256 (benchmarks.fsdp_profile)",
              [sys.executable, "-m", "benchmarks.fsdp_profile", "--device", "cuda", "--batch-size", "256",
@@ -537,7 +537,7 @@ def inner_loader_waits() -> dict:
     return {"waits": len(waits), "batches": batches, "where": sorted(set(waits))}
 
 
-# This module is also a pytest plugin (pytest -p benchmarks.gpu_check, the tests step): with GPU_CHECK_TESTS_LOG set,
+# This module is also a pytest plugin (pytest -p lent_gpu.check, the tests step): with GPU_CHECK_TESTS_LOG set,
 # pytest's controlling process appends a JSON line to that file as each test starts and as it ends (xdist passes its
 # workers' reports there), so that a pytest stopped at its limit still says which tests passed and which ran.
 _PYTEST_STARTED = time.monotonic()
@@ -572,7 +572,7 @@ def main(argv=None, started: float | None = None):
     """`started`: time.monotonic() at this process's start (from the command line: its own start counts against
     the budget); by default, now."""
     started = time.monotonic() if started is None else started
-    parser = flags.Parser(prog="python -m benchmarks.gpu_check", description=__doc__.splitlines()[0],
+    parser = flags.Parser(prog="python -m lent_gpu.check", description=__doc__.splitlines()[0],
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("--output-dir", default="runs/gpu_check",
                         help="where report.md, report.json, log.txt, tests.jsonl and the benchmark's tables go")
@@ -608,7 +608,7 @@ def main(argv=None, started: float | None = None):
     out.mkdir(parents=True, exist_ok=True)
     (out / "tests.jsonl").unlink(missing_ok=True)  # this run's lines only
     given = sys.argv[1:] if argv is None else argv
-    report = {"command": shlex.join(["python", "-m", "benchmarks.gpu_check", *given]),
+    report = {"command": shlex.join(["python", "-m", "lent_gpu.check", *given]),
               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               "commit": args.commit or git_commit(), "budget_s": args.budget_s,
               "worst_case_s": plan(chosen, args.budget_s)[-1]["total"],

@@ -1,7 +1,7 @@
 """What a rank holds and what it waits for on each rung of the sharding ladder, at several world sizes and model sizes.
 
-    python -m benchmarks.sharding --quick     # ResNet-18 at 1, 2, 4 ranks, then ResNet-50 and ViT-B/4 at 2
-    python -m benchmarks.sharding --models resnet18,resnet50,vit_b4 --ranks 1,2,4
+    python -m benchmarks.ladder --quick     # ResNet-18 at 1, 2, 4 ranks, then ResNet-50 and ViT-B/4 at 2
+    python -m benchmarks.ladder --models resnet18,resnet50,vit_b4 --ranks 1,2,4
 
 For each model, strategy and world size it starts that many processes (gloo on the CPU, NCCL on GPUs),
 trains a few steps of synthetic 32x32 images and counts, on rank 0 (the pipeline: on its largest stage):
@@ -259,7 +259,7 @@ def markdown(results: list[dict], meta: dict) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.sharding", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.ladder", description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="resnet18,resnet50,vit_b4",
                         help="comma-separated: resnet18, resnet50, vit_b4 (default: all three)")
     parser.add_argument("--ranks", default="1,2,4", help="comma-separated world sizes")
@@ -303,7 +303,7 @@ def main(argv=None):
                name) if os.path.exists("/proc/cpuinfo") else name
     typed = sys.argv[1:] if argv is None else argv
     meta = {"hardware": f"{os.cpu_count()} cores of {cpu}" if device == "cpu" else name,
-            "torch": torch.__version__, "command": " ".join(["python -m benchmarks.sharding", *typed]),
+            "torch": torch.__version__, "command": " ".join(["python -m benchmarks.ladder", *typed]),
             "batch_size": args.batch_size, "steps": steps, "warmup": args.warmup}
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
