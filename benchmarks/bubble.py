@@ -20,8 +20,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks import run as benchmark
-from benchmarks.commit import git_commit
+from benchmarks import harness
 from tools import timeline
 from utils import flags, pipelining
 from utils.errors import UsageError, exit_on_error
@@ -32,16 +31,16 @@ RECORDED = 3
 def measure(stages: int, schedule: str, microbatches: int, batch: int, device: str, out: Path) -> dict:
     """One profiled run, its idle shares and the median span of its recorded steps."""
     shutil.rmtree(out, ignore_errors=True)
-    row = benchmark.Row(f"pipeline {schedule} M={microbatches}", "distributed_pipeline.py", "torchrun")
-    command = benchmark.launch(row, nprocs=stages) + [
+    row = harness.Row(f"pipeline {schedule} M={microbatches}", "distributed_pipeline.py", "torchrun")
+    command = harness.launch(row, nprocs=stages) + [
         "--device", device, "--dataset", "synthetic", "--train-samples", str(batch * (2 + RECORDED)),
         "--test-samples", str(batch), "--batch-size", str(batch), "--epochs", "1", "--workers", "0",
         "--print-freq", "1000", "--schedule", schedule, "--microbatches", str(microbatches),
         "--profile-steps", str(RECORDED), "--output-dir", str(out)]
-    result = benchmark.run_stoppable(command, benchmark.threads_env(stages) if device == "cpu" else dict(os.environ))
+    result = harness.run_stoppable(command, harness.threads_env(stages) if device == "cpu" else dict(os.environ))
     if result.returncode:
         raise UsageError(f"{schedule} with --microbatches {microbatches} failed: "
-                         f"{benchmark.why_it_failed(result.stderr)}")
+                         f"{harness.why_it_failed(result.stderr)}")
     lanes = timeline.read_run(out)
     shares = timeline.pipeline_idle(lanes)
     spans = [max(lane.steps[k][1] for lane in lanes) - min(lane.steps[k][0] for lane in lanes)
@@ -95,13 +94,13 @@ def main(argv=None) -> int:
                                                                              microbatches=m))
             if wrong:
                 raise UsageError(wrong)
-        meta = {"hardware": benchmark.hardware(args.device, args.stages), "commit": git_commit(),
+        meta = {"hardware": harness.hardware(args.device, args.stages), "commit": harness.git_commit(),
                 "command": " ".join(["python -m benchmarks.bubble", *(sys.argv[1:] if argv is None else argv)])}
         plan = [(schedule, m) for schedule in schedules for m in counts]
         rows = []
         try:
             # kill -TERM, a closed terminal: stopped as Ctrl-C (run_stoppable stops the measurement's launcher)
-            with benchmark.stopped_as_ctrl_c():
+            with harness.stopped_as_ctrl_c():
                 for i, (schedule, m) in enumerate(plan, 1):
                     rows.append(measure(args.stages, schedule, m, args.batch_size, args.device,
                                         args.output_dir / "runs" / f"{schedule}-{m}"))
@@ -110,11 +109,8 @@ def main(argv=None) -> int:
                     print(f"[{i}/{len(plan)}] {schedule}, M={m}: idle {', '.join(f'{s:.0%}' for s in r['idle'])} "
                           f"(theory {r['theory']:.0%}), step {r['step_ms']:.0f} ms", flush=True)
         except KeyboardInterrupt as stop:
-            signum, how = benchmark.which_stop(stop)
-            print(f"stopped by {how} after {len(rows)} of {len(plan)} measurements" +
-                  (f": {args.output_dir / 'bubble.md'} has them" if rows else ": nothing written"),
-                  file=sys.stderr, flush=True)
-            return 128 + signum
+            return harness.stopped_status(stop, f"after {len(rows)} of {len(plan)} measurements" + (
+                f": {args.output_dir / 'bubble.md'} has them" if rows else ": nothing written"))
         print(markdown(rows, meta), end="")
     return 0
 

@@ -26,7 +26,6 @@ import copy
 import json
 import re
 import shlex
-import signal
 import sys
 import tempfile
 import time
@@ -34,19 +33,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import distributed
 import distributed_diloco
-from benchmarks import network
-from benchmarks import run as benchmark
-from benchmarks.commit import git_commit
+from benchmarks import harness, network
 from benchmarks.ladder import CountedCollectives
 from utils import flags, models
-from utils.spawn import free_port
 
 CPU = torch.device("cpu")
 DDP_COUNTED = ("DDP: distributed.py --no-sync-bn's wrapping and train_one_epoch, "
@@ -102,38 +97,18 @@ def count(rank: int, world_size: int, sync_every: int | None, steps: int, batch:
             "all_reduces_per_step": per_step}
 
 
-def _rank(rank, world_size, port, plan, steps, out):
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C: the parent stops the ranks (counts_on_ranks)
+def _rank(rank: int, world_size: int, port: int, plan: list, steps: int) -> list[dict]:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     try:
-        results = [{"sync_every": h, **count(rank, world_size, h, steps)} for h in plan]
-        if rank == 0:
-            Path(out).write_text(json.dumps(results))
+        return [{"sync_every": h, **count(rank, world_size, h, steps)} for h in plan]
     finally:
         dist.destroy_process_group()
 
 
 def counts_on_ranks(ranks: int, plan: list, steps: int) -> list[dict]:
-    """count() for each H of `plan` (None: DDP) on `ranks` spawned processes. Stopped (Ctrl-C, SIGTERM): the ranks
-    are ended, then the stop goes on."""
-    with tempfile.TemporaryDirectory() as scratch:
-        out = str(Path(scratch, "counts.json"))
-        context = mp.start_processes(_rank, args=(ranks, free_port(), plan, steps, out), nprocs=ranks, join=False,
-                                     start_method="spawn")
-        try:
-            while not context.join():
-                pass
-        except KeyboardInterrupt:
-            for process in context.processes:
-                process.terminate()
-            for process in context.processes:
-                process.join(10)
-                if process.is_alive():
-                    process.kill()
-                    process.join()
-            raise
-        return json.loads(Path(out).read_text())
+    """count() for each H of `plan` (None: DDP) on `ranks` spawned processes: rank 0's (the same on every rank)."""
+    return harness.spawn_ranks(_rank, ranks, plan, steps)[0]
 
 
 # ---- the learning runs ----
@@ -172,14 +147,14 @@ def learn(row: dict, args) -> dict:
     """One learning run (torchrun, 2 ranks): what its metrics.jsonl says after each epoch, and its wall time."""
     said = {**row, "command": as_typed(row, args.train_samples, args.epochs)}
     with tempfile.TemporaryDirectory() as out:
-        command = benchmark.launch(benchmark.Row(row["name"], row["script"], "torchrun"), 2) + row["flags"] + \
+        command = harness.launch(harness.Row(row["name"], row["script"], "torchrun"), 2) + row["flags"] + \
             workload(args.train_samples, args.epochs) + ["--output-dir", out]
         started = time.perf_counter()
-        result = benchmark.run_stoppable(command, benchmark.threads_env(2), limit_s=args.run_timeout)
+        result = harness.run_stoppable(command, harness.threads_env(2), limit_s=args.run_timeout)
         said["wall_s"] = time.perf_counter() - started
         if result.returncode:
             return {**said, "error": f"still running after {args.run_timeout} s: stopped" if result.returncode == 124
-                    else benchmark.why_it_failed(result.stderr)}
+                    else harness.why_it_failed(result.stderr)}
         epochs = read_epochs(Path(out))
     if len(epochs) != args.epochs:
         return {**said, "error": f"metrics.jsonl has {len(epochs)} epochs, not {args.epochs}"}
@@ -272,7 +247,7 @@ def markdown(results: dict) -> str:
 
 def write(results: dict, out: Path) -> None:
     """diloco.json and diloco.md, each replaced whole (benchmarks.run's write_whole)."""
-    benchmark.write_whole(out, {"diloco.json": json.dumps(results, indent=1), "diloco.md": markdown(results)})
+    harness.write_whole(out, {"diloco.json": json.dumps(results, indent=1), "diloco.md": markdown(results)})
 
 
 def machine_folder() -> str:
@@ -320,13 +295,13 @@ def main(argv=None):
     command = shlex.join(["python", "-m", "benchmarks.diloco", *(sys.argv[1:] if argv is None else argv)])
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hardware = benchmark.hardware("cpu", args.ranks)
+    hardware = harness.hardware("cpu", args.ranks)
     rows = learning_rows(args.learning_sync_every) if args.learning else []
     meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
-            "torch": torch.__version__, "command": command, "commit": git_commit(), "ranks": args.ranks,
+            "torch": torch.__version__, "command": command, "commit": harness.git_commit(), "ranks": args.ranks,
             "learning": {"rows": rows, "train_samples": args.train_samples, "epochs": args.epochs,
                          "run_timeout_s": args.run_timeout,
-                         "omp_num_threads": benchmark.threads_env(2)["OMP_NUM_THREADS"]} if rows else None}
+                         "omp_num_threads": harness.threads_env(2)["OMP_NUM_THREADS"]} if rows else None}
     results = {"meta": meta, "counts": [], "learning": []}
     stages, started = 1 + len(rows), time.perf_counter()
 
@@ -338,7 +313,7 @@ def main(argv=None):
 
     print(f"{hardware}; writing {out}", flush=True)
     try:
-        with benchmark.stopped_as_ctrl_c():
+        with harness.stopped_as_ctrl_c():
             results["counts"] = counts_on_ranks(args.ranks, [None, *args.sync_every], args.steps)
             meta["unfinished"] = (f"0 of {len(rows)} learning runs done when this was written; the benchmark did not "
                                   "finish." if rows else None)
@@ -355,11 +330,9 @@ def main(argv=None):
                                               f"{args.epochs} epochs, {r['wall_s']:.0f} s" if "epochs" in r
                                               else f"failed: {r['error']}"))
     except KeyboardInterrupt as stopped:
-        signum, how = benchmark.which_stop(stopped)
-        print(f"stopped by {how} after {len(results['learning'])} of {len(rows)} learning runs: {out / 'diloco.md'} "
-              "has what was measured" if results["counts"] else f"stopped by {how} before the counts were done: "
-              "nothing written", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
+        sys.exit(harness.stopped_status(stopped, f"after {len(results['learning'])} of {len(rows)} learning runs: "
+                                        f"{out / 'diloco.md'} has what was measured" if results["counts"] else
+                                        "before the counts were done: nothing written"))
     meta.pop("unfinished", None)
     write(results, out)
     print(markdown(results))

@@ -27,17 +27,14 @@ import contextlib
 import functools
 import json
 import os
-import platform
 import resource
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torchvision
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -46,12 +43,11 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from benchmarks import harness
 from utils import models, sharding
 from utils.launch import Env
-from utils.spawn import free_port
 from utils.syncbn import CpuSyncBatchNorm
 
-EPOCH_IMAGES = 50_000
 # the ladder, rung by rung; then the pipeline, which splits the layers instead (ResNet-18 only: its split())
 STRATEGIES = ("DDP", "ZeRO-1", "FSDP, no reshard after forward", "FSDP", "HSDP", "Pipeline")
 # torch.distributed's names (FSDP2 calls the *_single ones since torch 2.10 or so, *_tensor before)
@@ -169,7 +165,7 @@ def peak_memory_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # kilobytes on Linux
 
 
-def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> None:
+def measure(rank: int, world_size: int, port: int, config: dict) -> dict:
     device = torch.device(f"cuda:{rank}" if config["device"] == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -206,7 +202,7 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
             if step >= config["warmup"]:
                 times.append(time.perf_counter() - started)
         params = list(model.parameters())
-        result = {
+        return {
             "rank": rank,
             "parameters": sum(p.numel() for p in params),
             "param_bytes": local_bytes(params),
@@ -216,16 +212,13 @@ def measure(rank: int, world_size: int, port: int, config: dict, out: str) -> No
             "step_s": statistics.median(times),
             "collectives": counted.calls, "collective_bytes": counted.bytes,
         }
-        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
 
 
 def run(config: dict) -> dict:
     """Rank 0's figures; the pipeline's, those of the rank holding the most (its largest stage)."""
-    with tempfile.TemporaryDirectory() as scratch:
-        mp.spawn(measure, args=(config["ranks"], free_port(), config, scratch), nprocs=config["ranks"])
-        ranks = [json.loads(Path(scratch, f"rank{r}.json").read_text()) for r in range(config["ranks"])]
+    ranks = harness.spawn_ranks(measure, config["ranks"], config)
     if config["strategy"] == "Pipeline":
         largest = max(ranks, key=lambda r: r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"])
         return {**config, **largest, "parameters": sum(r["parameters"] for r in ranks)}
@@ -248,7 +241,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         state = r["param_bytes"] + r["grad_bytes"] + r["optimizer_bytes"]
         calls = ", ".join(f"{n} {k.replace('_into_tensor', '').replace('_single', '').replace('_tensor', '')}"
                           for k, n in sorted(r["collectives"].items())) or "none"
-        epoch = EPOCH_IMAGES / (r["batch_size"] * r["ranks"]) * r["step_s"]
+        epoch = harness.EPOCH_IMAGES / (r["batch_size"] * r["ranks"]) * r["step_s"]
         strategy = r["strategy"] + (f" (rank {r['rank']})" if r.get("rank") else "")
         lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {strategy} | {r['ranks']} "
                      f"| {r['param_bytes'] / mb:.0f} | {r['grad_bytes'] / mb:.0f} | {r['optimizer_bytes'] / mb:.0f} "
@@ -298,11 +291,9 @@ def main(argv=None):
               f"{(r['param_bytes'] + r['grad_bytes'] + r['optimizer_bytes']) / 2**20:.0f} MB of state on rank "
               f"{r['rank']}, "
               f"{r['step_s']:.2f} s per step ({time.perf_counter() - started:.0f} s)", flush=True)
-    name = torch.cuda.get_device_name() if device == "cuda" else (platform.processor() or platform.machine())
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               name) if os.path.exists("/proc/cpuinfo") else name
     typed = sys.argv[1:] if argv is None else argv
-    meta = {"hardware": f"{os.cpu_count()} cores of {cpu}" if device == "cpu" else name,
+    meta = {"hardware": f"{os.cpu_count()} cores of {harness.processor()}" if device == "cpu" else
+            torch.cuda.get_device_name(),
             "torch": torch.__version__, "command": " ".join(["python -m benchmarks.ladder", *typed]),
             "batch_size": args.batch_size, "steps": steps, "warmup": args.warmup}
     out = Path(args.output_dir)

@@ -7,11 +7,10 @@ import signal
 import subprocess
 import threading
 import time
-from pathlib import Path
 
+from benchmarks.harness import ROOT
 from examples.local_processes import process_tree
 
-ROOT = Path(__file__).resolve().parent.parent
 STEP = re.compile(r"^epoch 1/1 step (\d+)/\d+ loss")  # a progress line of an epoch of one
 WAIT_S = 150  # the longest any stage may take on a slow, shared machine
 

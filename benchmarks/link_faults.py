@@ -32,15 +32,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import network
-from benchmarks import run as benchmark
-from benchmarks.commit import git_commit
+from benchmarks import harness, network
 from benchmarks.launched import STEP, Launched
 from examples import own_lighthouse
 from utils import flags
 from utils.errors import UsageError, print_line
 
-ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 PORT = 29410  # the static rendezvous, on host 0's address; +1 a c10d one, +2 the lighthouse, +3 a replica group's
 TRAINING = ["--device", "cpu", "--dataset", "synthetic", "--train-samples", "96", "--test-samples", "21",
@@ -56,12 +53,12 @@ def host_command(hosts, host: int, output_dir, launcher: str = "torchrun", scrip
     if launcher == "torchrun":
         start = TORCHRUN + ["--nnodes=2", f"--node-rank={host}", "--nproc_per_node=1",
                             f"--master-addr={network.ADDRESSES[0]}", f"--master-port={PORT}",
-                            f"--local-addr={network.ADDRESSES[host]}", str(ROOT / script)]
+                            f"--local-addr={network.ADDRESSES[host]}", str(harness.ROOT / script)]
     else:
-        start = [sys.executable, str(ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
+        start = [sys.executable, str(harness.ROOT / "distributed_mp.py"), "--nnodes", "2", "--node-rank", str(host),
                  "--nprocs", "1", "--ip", network.ADDRESSES[0], "--port", str(PORT)]
     every = [*TRAINING, "--save-every-steps", "3", *extra, "--output-dir", str(output_dir)]
-    env = {**benchmark.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[host]}
+    env = {**harness.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[host]}
     return hosts.prefix(host) + start + every, env
 
 
@@ -72,10 +69,10 @@ def replica_group_command(hosts, group: int, output_dir, extra: tuple[str, ...])
     `extra` its flags (the last of a flag given twice counts)."""
     return (hosts.prefix(group) + TORCHRUN + [
         "--nnodes=1", "--nproc_per_node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={network.ADDRESSES[group]}:"
-        f"{PORT + 3}", str(ROOT / "tests" / "script_driver.py"), "--step-seconds", "0.25",
+        f"{PORT + 3}", str(harness.ROOT / "tests" / "script_driver.py"), "--step-seconds", "0.25",
         "distributed_live_recovery.py", "--replica-group", str(group), "--replica-groups", "2", "--lighthouse",
         f"http://{hosts.hostnames[0]}:{PORT + 2}", *TRAINING, *extra, "--output-dir", str(output_dir)],
-        {**benchmark.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[group]})
+        {**harness.threads_env(1), "GLOO_SOCKET_IFNAME": network.INTERFACES[group]})
 
 
 def start_lighthouse(hosts, heartbeat_s: float) -> subprocess.Popen:
@@ -250,9 +247,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = args.output_dir or ROOT / (network.machine_folder().removesuffix("-network") + "-link-faults")
+    out = args.output_dir or harness.ROOT / (network.machine_folder().removesuffix("-network") + "-link-faults")
     typed = sys.argv[1:] if argv is None else argv
-    meta = {"hardware": benchmark.hardware("cpu", 2), "commit": git_commit(), "dist_timeout": args.dist_timeout,
+    meta = {"hardware": harness.hardware("cpu", 2), "commit": harness.git_commit(), "dist_timeout": args.dist_timeout,
             "outage_timeout": args.outage_timeout,
             "command": shlex.join(["python", "-m", "benchmarks.link_faults", *typed])}
     results = {"meta": meta, "outages": [], "lasting": []}
@@ -263,13 +260,13 @@ def main(argv=None) -> int:
     plan += [("live recovery, a lasting cut", lambda hosts: results.update(
         live_recovery=live_recovery(hosts, args.dist_timeout, args.heartbeat)))]
     try:
-        with benchmark.stopped_as_ctrl_c(), network.TwoHosts("link-faults", named=True) as hosts:
+        with harness.stopped_as_ctrl_c(), network.TwoHosts("link-faults", named=True) as hosts:
             out.mkdir(parents=True, exist_ok=True)
             started = time.monotonic()
             for i, (name, measure) in enumerate(plan, 1):
                 print(f"[{i}/{len(plan)}] {name} ({time.monotonic() - started:.0f} s in all)", flush=True)
                 measure(hosts)
-                benchmark.write_whole(out, {"link_faults.json": json.dumps(results, indent=1),
+                harness.write_whole(out, {"link_faults.json": json.dumps(results, indent=1),
                                             "link_faults.md": markdown(results)})
     except UsageError as error:
         print_line(str(error))
@@ -277,7 +274,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         meta["unfinished"] = f"stopped after {len(results['outages']) + len(results['lasting'])} measurements"
         if out.is_dir():
-            benchmark.write_whole(out, {"link_faults.json": json.dumps(results, indent=1),
+            harness.write_whole(out, {"link_faults.json": json.dumps(results, indent=1),
                                         "link_faults.md": markdown(results)})
         print_line(f"stopped; what was measured is in {out}", error=False)
         return 130

@@ -55,14 +55,12 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import run as benchmark
-from benchmarks.commit import git_commit
+from benchmarks import harness
 from examples.local_processes import alive
 from tools import timeline
 from utils import flags
 from utils.errors import UsageError, exit_on_error
 
-ROOT = benchmark.ROOT
 MB = 2**20
 RATES, QUICK_RATES = "unshaped,1gbit,300mbit,100mbit,30mbit", "unshaped,300mbit"
 INTERFACES = ("veth-a", "veth-b")  # host 0's end of the link, host 1's
@@ -79,10 +77,10 @@ TIMELINE_ROW = "DDP"  # the row drawn at the rate where its communication takes 
 SAME_WITHIN = 0.03
 
 
-def rows() -> list[benchmark.Row]:
+def rows() -> list[harness.Row]:
     """The strategies, each a script with its own flags, as benchmarks.run's rows run them."""
     def row(name, script, *extra, full_only=False):  # full_only: left out of --quick (another flag of a path in it)
-        return benchmark.Row(name, script, "torchrun", list(extra), table="network", full_only=full_only)
+        return harness.Row(name, script, "torchrun", list(extra), table="network", full_only=full_only)
     return [
         row("DDP", "distributed.py"),
         # one bucket for all 43 MB of gradients (the first bucket too, once the size is given): DDP starts a bucket's
@@ -235,17 +233,17 @@ def workload(args, steps_per_epoch: int, epochs: int, out: str) -> list[str]:
             "--workers", "0", "--print-freq", "1", "--output-dir", out]
 
 
-def run_on_two_hosts(hosts: TwoHosts, row: benchmark.Row, script_flags: list[str], port: int, limit_s: float):
+def run_on_two_hosts(hosts: TwoHosts, row: harness.Row, script_flags: list[str], port: int, limit_s: float):
     """The row's script on both hosts (torchrun, two nodes of one process), and rank 0's progress lines, each as
     (arrival time, epoch, step, the bytes each host had sent); the result's stderr is that of a host that failed.
     Stopped (Ctrl-C, SIGTERM) or past `limit_s`: each launcher gets SIGTERM, which it passes to its rank, and up to
     60 s to exit (then SIGKILL, to its whole session)."""
     commands = [hosts.prefix(host) + [sys.executable, "-m", "torch.distributed.run", "--nnodes=2",
                                       f"--node_rank={host}", "--nproc_per_node=1", f"--master_addr={ADDRESSES[0]}",
-                                      f"--master_port={port}", *benchmark.launch_target(row.script)] + script_flags
+                                      f"--master_port={port}", *harness.launch_target(row.script)] + script_flags
                 for host in (0, 1)]
     errors = [tempfile.TemporaryFile("w+") for _ in commands]
-    procs = [subprocess.Popen(command, cwd=ROOT, stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
+    procs = [subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
                               stderr=errors[host], text=True, start_new_session=True,
                               env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": INTERFACES[host]})
              for host, command in enumerate(commands)]
@@ -267,9 +265,9 @@ def run_on_two_hosts(hosts: TwoHosts, row: benchmark.Row, script_flags: list[str
             proc.wait(max(1.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         late = True
-        stop(procs)
+        harness.stop(procs, grace_s=60)  # each launcher passes SIGTERM to its rank
     except KeyboardInterrupt:
-        stop(procs)
+        harness.stop(procs, grace_s=60)  # each launcher passes SIGTERM to its rank
         raise
     finally:
         reader.join(10)
@@ -283,22 +281,6 @@ def run_on_two_hosts(hosts: TwoHosts, row: benchmark.Row, script_flags: list[str
     failed = next((host for host, proc in enumerate(procs) if proc.returncode), 0)
     code = 124 if late else procs[failed].returncode
     return subprocess.CompletedProcess(commands[0], code, "", said[failed]), lines
-
-
-def stop(procs: list[subprocess.Popen]) -> None:
-    """SIGTERM to each launcher, which passes it to its rank (the script stops at a step every rank reaches); what
-    still runs after 60 s is killed with its session."""
-    for proc in procs:
-        with contextlib.suppress(ProcessLookupError):
-            proc.terminate()
-    deadline = time.monotonic() + 60
-    for proc in procs:
-        try:
-            proc.wait(max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
 
 
 def timed(lines: list, steps_per_epoch: int, after_step: int = 0) -> dict | None:
@@ -332,7 +314,7 @@ def collectives_of_step(lanes: list[timeline.Lane], label: str) -> dict:
     return {"calls": dict(sorted(calls.items())), "sent_mb": sent, "backward_s": backward}
 
 
-def measure_row(hosts: TwoHosts, row: benchmark.Row, rate: dict, args, port: int, count: bool) -> dict:
+def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, count: bool) -> dict:
     """One row at one rate (already shaped): its step time and bytes; with `count`, a third epoch and the collectives
     of one recorded step (--profile-steps) too."""
     steps_per_epoch, epochs = args.steps + 1, 3 if count else 2
@@ -347,7 +329,7 @@ def measure_row(hosts: TwoHosts, row: benchmark.Row, rate: dict, args, port: int
         result, lines = run_on_two_hosts(hosts, row, script_flags, port, limit)
         if result.returncode:
             return {"error": f"still running after {limit:.0f} s: stopped" if result.returncode == 124 else
-                    benchmark.why_it_failed(result.stderr)}
+                    harness.why_it_failed(result.stderr)}
         measured = timed(lines, steps_per_epoch, profiled)
         if measured is None:
             return {"error": f"no timed steps among {len(lines)} progress lines"}
@@ -362,19 +344,11 @@ def compute_alone(args) -> dict:
     times per step (no process group, no communication; the machine's two cores as busy as in the rows)."""
     command = [sys.executable, "-m", "benchmarks.bare_step", "--device", "cpu", "--batch-size", str(args.batch_size),
                "--steps", str(max(3, args.steps)), "--warmup", "2"]
-    procs = [subprocess.Popen(["taskset", "-c", str(core), *command], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"}, start_new_session=True)
-             for core in host_cores()]
-    try:
-        outputs = [proc.communicate()[0] for proc in procs]
-    except KeyboardInterrupt:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
-        raise
-    if any(proc.returncode for proc in procs):
+    printed = harness.last_json_lines([["taskset", "-c", str(core), *command] for core in host_cores()],
+                                        [{**os.environ, "OMP_NUM_THREADS": "1"}] * 2)
+    if printed is None:
         raise UsageError("the bare step failed; run python -m benchmarks.bare_step --device cpu to see why")
-    rates = [json.loads(out.strip().splitlines()[-1])["images_per_s"] for out in outputs]
+    rates = [p["images_per_s"] for p in printed]
     return {"step_s": statistics.mean(args.batch_size / r for r in rates),
             "command": shlex.join(["python", *command[1:]])}
 
@@ -388,64 +362,49 @@ def balanced_rate(collectives: dict) -> dict | None:
     return {"tc": f"{mbit:g}mbit", "bps": mbit * 1e6, "label": rate_label(mbit * 1e6)}
 
 
-def draw_timeline(hosts: TwoHosts, row: benchmark.Row, rate: dict, args, port: int, out: Path) -> dict:
+def draw_timeline(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, out: Path) -> dict:
     """`row` at `rate`: 2 steps of warm-up and 2 recorded (--profile-steps 2), drawn into out/timeline.png."""
     hosts.shape(rate)
     with tempfile.TemporaryDirectory() as run_dir:
         script_flags = workload(args, 4, 1, run_dir) + row.flags + ["--profile-steps", "2"]
         result, _ = run_on_two_hosts(hosts, row, script_flags, port, 600 + 20 * args.compute_s)
         if result.returncode:
-            return {"rate": rate["label"], "error": benchmark.why_it_failed(result.stderr)}
+            return {"rate": rate["label"], "error": harness.why_it_failed(result.stderr)}
         lanes = timeline.read_run(Path(run_dir))
     title = f"{row.script} {' '.join(row.flags)}".strip() + f": 2 recorded steps, 2 hosts at {rate['label']}"
     timeline.draw(lanes, title, out / "timeline.png")
     return {"rate": rate["label"], "row": row.name, "picture": "timeline.png", "summary": timeline.summary_text(lanes)}
 
 
-def learning_rows(selected: list[benchmark.Row]) -> list[benchmark.Row]:
+def learning_rows(selected: list[harness.Row]) -> list[harness.Row]:
     """DDP, DDP with another seed (how far two runs of one method land apart), and each compression selected."""
     ddp = next(r for r in rows() if r.name == "DDP")
-    other_seed = benchmark.Row("DDP, another seed", ddp.script, "torchrun", ["--seed", "1"], table="network")
+    other_seed = harness.Row("DDP, another seed", ddp.script, "torchrun", ["--seed", "1"], table="network")
     return [ddp, other_seed] + [r for r in selected if "--comm-hook" in r.flags]
 
 
-def learn(row: benchmark.Row, args) -> dict:
+def learn(row: harness.Row, args) -> dict:
     """The row on 2 ranks of this machine (torchrun --standalone) for --learning-steps steps on the learnable
     synthetic set: its last epoch's mean training loss and its test loss and top-1."""
     epochs = 2 if args.quick else 4
     per_epoch = max(1, args.learning_steps // epochs)
     global_batch = 2 * args.batch_size
     with tempfile.TemporaryDirectory() as out:
-        command = benchmark.launch(row, 2) + [
+        command = harness.launch(row, 2) + [
             "--device", "cpu", "--dataset", "synthetic", "--train-samples", str(per_epoch * global_batch),
             "--test-samples", "256", "--batch-size", str(global_batch), "--epochs", str(epochs), "--lr", "0.05",
             "--no-augment", "--workers", "0", "--print-freq", "1000000", "--output-dir", out] + row.flags
-        result = benchmark.run_stoppable(command, benchmark.threads_env(2))
+        result = harness.run_stoppable(command, harness.threads_env(2))
         if result.returncode:
-            return {"name": row.name, "flags": row.flags, "error": benchmark.why_it_failed(result.stderr)}
+            return {"name": row.name, "flags": row.flags, "error": harness.why_it_failed(result.stderr)}
         last = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()][-1]
     return {"name": row.name, "flags": row.flags, "steps": per_epoch * epochs, "train_loss": last["train_loss"],
             "test_loss": last["test_loss"], "top1": last["top1"]}
 
 
-def rows_named(only: list[str] | None) -> list[benchmark.Row] | str:
-    """The rows that the texts of --only name (comma-separated, any case: a whole name that row alone, else every
-    row whose name contains it), in their order; or why a text names none."""
-    every = rows()
-    if not only:
-        return every
-    wanted = set()
-    for text in (t.strip().lower() for value in only for t in value.split(",") if t.strip()):
-        named = [r.name for r in every if r.name.lower() == text] or [r.name for r in every if text in r.name.lower()]
-        if not named:
-            return f"--only {text!r} matches no row (the rows: {'; '.join(r.name for r in every)})"
-        wanted.update(named)
-    return [r for r in every if r.name in wanted]
-
-
 def machine_folder() -> str:
     """The full run's results folder: benchmarks/results/cpu-<processor's family>-network."""
-    name = benchmark.hardware("cpu", 2).lower()
+    name = harness.processor().lower()
     family = next((word for word in ("epyc", "xeon", "ryzen", "core", "graviton", "neoverse") if word in name),
                   os.uname().machine)
     return f"benchmarks/results/cpu-{family}-network"
@@ -567,7 +526,7 @@ def rate_table(results: dict, rate: dict) -> list[str]:
     lines = [f"### At {rate['label']}", "",
              "| strategy | script + flags | step s | MB sent per step, host 0 / host 1 (counters) | counters / "
              "collectives | compute alone s | floor s | step / floor |", "|---|---|---|---|---|---|---|---|"]
-    scripts = {r.name: benchmark.script_and_flags({"script": r.script, "flags": r.flags}) for r in rows()}
+    scripts = {r.name: harness.script_and_flags({"script": r.script, "flags": r.flags}) for r in rows()}
     for run in (r for r in results["runs"] if r["rate"] == rate["label"]):
         what = f"`{scripts.get(run['row'], '')}`"
         if "step_s" not in run:
@@ -730,7 +689,7 @@ def chart(results: dict, path: Path) -> None:
 def write(results: dict, out: Path, doc: Path | None = None) -> None:
     """network.json and network.md, each replaced whole (written beside, then renamed over); with `doc`, the page's
     part between its two DOC_MARKS replaced by the tables too."""
-    benchmark.write_whole(out, {"network.json": json.dumps(results, indent=1), "network.md": markdown(results)})
+    harness.write_whole(out, {"network.json": json.dumps(results, indent=1), "network.md": markdown(results)})
     if doc:
         fill_doc(doc, results, out)
 
@@ -801,7 +760,7 @@ def parse_args(argv=None):
         parser.error("--batch-size must be divisible by 4 (accumulation's 4 micro-batches, the pipeline's 4)")
     args.learning_steps = args.learning_steps if args.learning_steps is not None else (8 if args.quick else 48)
     args.output_dir = args.output_dir or ("runs/network" if args.quick else machine_folder())
-    args.selected = rows_named(args.only)
+    args.selected = harness.rows_named(rows(), args.only)
     if isinstance(args.selected, str):
         parser.error(args.selected)
     left_out = [r.name for r in args.selected if r.full_only and args.quick and not args.only]
@@ -826,22 +785,15 @@ def main(argv=None):
 def measure(args, doc: Path | None, command: str) -> None:
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hardware = benchmark.hardware("cpu", 2)
-    meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
-            "torch": torch.__version__, "command": command, "commit": git_commit(), "batch_size": args.batch_size,
+    meta = {"hardware": harness.hardware("cpu", 2), "processor": harness.processor(), "torch": torch.__version__,
+            "command": command, "commit": harness.git_commit(), "batch_size": args.batch_size,
             "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected],
             "left_out": args.left_out}
     results = {"meta": meta, "runs": [], "collectives": {}, "learning": [], "timeline": None}
     learners = learning_rows(args.selected) if args.learning_steps else []
     ddp = next((r for r in args.selected if r.name == TIMELINE_ROW), None)
     stages = 2 + len(args.rates) * len(args.selected) + bool(args.timeline and ddp) + len(learners)
-    started, finished, port = time.perf_counter(), [0], [29600]
-
-    def done(text: str) -> None:
-        finished[0] += 1
-        left = (time.perf_counter() - started) / finished[0] * (stages - finished[0])
-        eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
-        print(f"[{finished[0]}/{stages}] {text}{eta}", flush=True)
+    done, port = harness.Progress(stages, write=lambda line: print(line, flush=True)).done, [29600]
 
     def next_port() -> int:  # a fresh one each run: the last run's may still be in TIME_WAIT
         port[0] += 1
@@ -850,7 +802,7 @@ def measure(args, doc: Path | None, command: str) -> None:
     print(f"{meta['hardware']}; {len(args.selected)} rows at {len(args.rates)} rates; writing {out}" +
           (f"\n{args.left_out}" if args.left_out else ""), flush=True)
     try:
-        with benchmark.stopped_as_ctrl_c(), TwoHosts() as hosts:
+        with harness.stopped_as_ctrl_c(), TwoHosts() as hosts:
             meta["compute_alone"] = compute_alone(args)
             args.compute_s = meta["compute_alone"]["step_s"]
             done(f"compute alone: {args.compute_s:.2f} s per step of {args.batch_size} images")
@@ -885,11 +837,9 @@ def measure(args, doc: Path | None, command: str) -> None:
             done(f"learning, {row.name}: " + (f"training loss {r['train_loss']:.4f} after {r['steps']} steps"
                                               if "train_loss" in r else f"failed: {r['error']}"))
     except KeyboardInterrupt as stopped:
-        signum, how = benchmark.which_stop(stopped)
-        print(f"stopped by {how} after {len(results['runs'])} of {len(args.rates) * len(args.selected)} runs: "
-              f"{out / 'network.md'} has the rows measured"
-              if results["runs"] else f"stopped by {how} before any row was measured", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
+        sys.exit(harness.stopped_status(stopped, f"after {len(results['runs'])} of "
+                                          f"{len(args.rates) * len(args.selected)} runs: {out / 'network.md'} has the "
+                                          "rows measured" if results["runs"] else "before any row was measured"))
     meta.pop("unfinished", None)
     write(results, out, doc)
     if measured(results):

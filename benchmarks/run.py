@@ -34,56 +34,29 @@ Writes <output-dir>/benchmark.md (the tables), benchmark.png (a bar chart) and b
 after every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP: the row being measured is stopped too) or killed
 keeps the rows it measured, marked unfinished.
 """
-import contextlib
-import importlib.util
-import itertools
 import json
-import os
-import platform
-import re
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
+from benchmarks import harness
 from benchmarks.bare_step import flops_per_image
-from benchmarks.commit import git_commit
-from examples import own_lighthouse
-from examples.local_processes import carrying
+from benchmarks.harness import EPOCH_IMAGES, ROOT, Row
 from utils import flags, precision
 
-ROOT = Path(__file__).resolve().parent.parent
-RUN_MARK = "DDP_BENCHMARK_RUN"  # run_stoppable's mark in the environment of all a run starts
-_runs = itertools.count()
-EPOCH_IMAGES = 50_000
 WORKERS = "4"  # the scripts' default --workers
 BARE_STEP = "benchmarks/bare_step.py"
 PLAIN, LIGHTNING = "benchmarks/peers/plain_ddp.py", "benchmarks/peers/lightning_ddp.py"
 PLAIN_LOOP, PLAIN_LOOP_BF16 = "plain tutorial DDP loop", "plain tutorial DDP loop + bfloat16 autocast"
 # the same loop as a careful user tunes it (peers/plain_ddp.py --tuned): torch.compile, channels-last, fused SGD
 TUNED_LOOP_BF16 = "tuned tutorial DDP loop + bfloat16 autocast (compiled, channels-last, fused SGD)"
-
-
-@dataclass
-class Row:
-    name: str
-    script: str
-    start: str  # python (one process), torchrun, spawn, side by side (N bare-step processes, no process group), or
-    # replica groups (a torchft lighthouse and N torchruns of one process: distributed_live_recovery.py)
-    flags: list = field(default_factory=list)
-    table: str = "method"  # method, technique or peer
-    amp: str | None = None  # the autocast dtype, which picks the ideal it is compared with
-    gpu_only: bool = False
-    full_only: bool = False  # left out of --quick
-    needs: str | None = None  # an optional package the row imports: left out, saying so, where it is missing
 
 
 def mixed_dtype(device: str) -> str:
@@ -201,26 +174,9 @@ def keyword_rows(device: str) -> dict[str, set[str]]:
 
 
 def rows_named(only: list[str] | None, device: str) -> list[Row] | str:
-    """The rows that the --only values name, in the order named (every row without --only), or why a text names
-    none. A value that is a whole row name or a keyword stands for itself, commas and all; any other value is split
-    at its commas, and each part is a keyword, a whole name (that row, not its namesakes) or a part of names."""
-    every, keywords = rows(device), keyword_rows(device)
-    if not only:
-        return every
-    names = {r.name for r in every}
-    texts = [text for value in only for text in ([value] if value in names | set(keywords) else value.split(","))]
-    wanted = {}
-    for text in texts:
-        named = [r for r in every if (r.name in keywords[text] if text in keywords else
-                                      r.name == text if text in names else text in r.name)]
-        if not named:
-            return f"--only {text!r} matches no row"
-        wanted |= {r.name: r for r in named if r.name not in wanted}
-    return list(wanted.values())
-
-
-def importable(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    """The rows that the --only values name, in the order named (harness.rows_named), with the keywords of
+    keyword_rows."""
+    return harness.rows_named(rows(device), only, keyword_rows(device))
 
 
 def why_left_out(row: Row, args) -> str | None:
@@ -229,108 +185,9 @@ def why_left_out(row: Row, args) -> str | None:
         return "it needs a GPU"
     if row.full_only and args.quick:
         return "not in --quick (compiling takes minutes on a CPU); run without --quick to measure it"
-    if row.needs and not importable(row.needs):
+    if row.needs and not harness.importable(row.needs):
         return f"`{row.needs}` is not installed (an optional dependency: pip install {row.needs})"
     return None
-
-
-def launch_target(script: str, root: Path = ROOT) -> list[str]:
-    """What torchrun is told to run: a script at the top by its path under `root`; the peers, which live in
-    benchmarks/ and import utils, as modules (-m), found from the repository's root (the working directory)."""
-    if script.startswith("benchmarks/"):
-        return ["-m", script.removesuffix(".py").replace("/", ".")]
-    return [str(root / script)]
-
-
-def launch(row: Row, nprocs: int) -> list[str]:
-    path = str(ROOT / row.script)
-    if row.start in ("torchrun", "replica groups"):  # replica groups: one process per group's torchrun
-        per_launcher = 1 if row.start == "replica groups" else nprocs
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={per_launcher}",
-                *launch_target(row.script)]
-    return [sys.executable, path] + (["--nprocs", str(nprocs)] if row.start == "spawn" else [])
-
-
-def run_stoppable(cmd: list[str], env: dict | None, limit_s: float | None = None) -> subprocess.CompletedProcess:
-    """subprocess.run(cmd) from the repository's root, its output captured. When the benchmark is stopped
-    meanwhile (Ctrl-C, SIGTERM), or the run is still going after `limit_s` seconds (its result then has exit status
-    124), the row's launcher gets SIGTERM, which it passes to its ranks, and up to 30 s to exit (then SIGKILL), and
-    every process it started that is still alive is killed: no rank outlives the benchmark or writes into its row's
-    directory once removed. The launcher runs in a session of its own, so that SIGTERM is the one signal it gets: a
-    terminal's Ctrl-C reaching torchrun too would cut short its wait for its ranks."""
-    # What it started is found by a mark in their environment, not as the launcher's children: torchrun starts each
-    # rank in a session of its own, and a rank it was starting as the signal came is not in any list of its own
-    mark = f"{os.getpid()}-{next(_runs)}"
-    with subprocess.Popen(cmd, cwd=ROOT, env={**(os.environ if env is None else env), RUN_MARK: mark},
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True) as proc:
-        try:
-            stdout, stderr = proc.communicate(timeout=limit_s)
-        except (subprocess.TimeoutExpired, KeyboardInterrupt) as stopped:
-            proc.terminate()
-            try:
-                stdout, stderr = proc.communicate(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                stdout, stderr = proc.communicate()
-            deadline = time.monotonic() + 10
-            while (left := carrying(RUN_MARK, mark)) and time.monotonic() < deadline:
-                for pid in left:
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
-                time.sleep(0.05)
-            if isinstance(stopped, KeyboardInterrupt):
-                raise
-            return subprocess.CompletedProcess(cmd, 124, stdout, stderr)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def run_replica_groups(cmd: list[str], groups: int, env: dict) -> subprocess.CompletedProcess:
-    """`cmd` (distributed_live_recovery.py under torchrun) as `groups` replica groups of one process each, side by
-    side, under a torchft lighthouse of their own on a free port. It forms no quorum before every group has joined:
-    with fewer, the first group could train ahead alone and a late one heal past the epochs timed. A stop of the
-    benchmark (Ctrl-C, SIGTERM) stops them as run_stoppable stops its launcher. The first group that failed gives
-    the result's status and stderr."""
-    try:
-        with own_lighthouse.on_a_free_port(min_replicas=groups) as address:
-            errors = [tempfile.TemporaryFile("w+") for _ in range(groups)]
-            procs = [subprocess.Popen(cmd + ["--replica-group", str(g), "--replica-groups", str(groups),
-                                             "--lighthouse", address], cwd=ROOT, env={**env, "RUST_LOG": "warn"},
-                                      stdout=subprocess.DEVNULL, stderr=errors[g], text=True, start_new_session=True)
-                     for g in range(groups)]
-            try:
-                for proc in procs:
-                    proc.wait()
-            except KeyboardInterrupt:
-                for proc in procs:
-                    proc.terminate()
-                for proc in procs:
-                    try:
-                        proc.wait(timeout=30)
-                    except subprocess.TimeoutExpired:
-                        proc.kill()
-                raise
-    except RuntimeError as error:  # the lighthouse did not start: no group was
-        return subprocess.CompletedProcess(cmd, 1, "", str(error))
-    failed = next((g for g, proc in enumerate(procs) if proc.returncode), 0)
-    errors[failed].seek(0)
-    said = errors[failed].read()
-    for error in errors:
-        error.close()
-    return subprocess.CompletedProcess(cmd, procs[failed].returncode, "", said)
-
-
-def why_it_failed(stderr: str) -> str:
-    """The line that says why a row's command failed: the script's own one-line error or an exception's last line,
-    not the report torchrun prints after it (its last line is a rule of '=')."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip()]
-    said = [line for line in lines if ": error: " in line or (re.match(r"^[\w.]+(Error|Exception)\b", line)
-                                                              and "ChildFailedError" not in line)]
-    return ((said or lines or ["no output"])[-1])[:200]
-
-
-def threads_env(processes: int) -> dict:
-    """On the CPU each process gets an equal share of the cores, so every row uses all of them."""
-    return {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // processes))}
 
 
 def run_row(row: Row, args) -> dict:
@@ -341,7 +198,7 @@ def run_row(row: Row, args) -> dict:
     processes = 1 if row.start == "python" else args.nprocs
     global_batch = args.batch_size * args.nprocs  # DataParallel: one process, the same global batch
     with tempfile.TemporaryDirectory() as out:
-        cmd = launch(row, args.nprocs) + [
+        cmd = harness.launch(row, args.nprocs) + [
             "--dataset", "synthetic", "--train-samples", str(args.steps * global_batch),
             "--test-samples", str(global_batch), "--batch-size", str(global_batch), "--epochs", str(args.epochs),
             "--workers", str(args.workers), "--device", args.device, "--print-freq", "1000000",
@@ -349,11 +206,12 @@ def run_row(row: Row, args) -> dict:
         started = time.perf_counter()
         if row.start == "replica groups":
             processes = args.nprocs
-            result, out = run_replica_groups(cmd, args.nprocs, threads_env(processes)), Path(out, "replica_group_0")
+            result = harness.run_replica_groups(cmd, args.nprocs, harness.threads_env(processes))
+            out = Path(out, "replica_group_0")
         else:
-            result = run_stoppable(cmd, threads_env(processes))
+            result = harness.run_stoppable(cmd, harness.threads_env(processes))
         if result.returncode != 0:
-            return {"error": why_it_failed(result.stderr),
+            return {"error": harness.why_it_failed(result.stderr),
                     "command": " ".join(cmd)}
         records = [json.loads(line) for line in Path(out, "metrics.jsonl").read_text().splitlines()]
     timed = records[1:]
@@ -364,7 +222,7 @@ def run_row(row: Row, args) -> dict:
 
 def peer_command(row: Row, args) -> list[str]:
     """A peer program under torchrun, on the workload of our rows: the same per-rank batch, steps, epochs, workers."""
-    return launch(row, args.nprocs) + [
+    return harness.launch(row, args.nprocs) + [
         "--device", args.device, "--batch-size", str(args.batch_size), "--steps", str(args.steps),
         "--epochs", str(args.epochs), "--workers", str(args.workers)] + row.flags
 
@@ -377,7 +235,7 @@ def peer_epochs(stdout: str) -> list[dict]:
 def run_peer(row: Row, args) -> dict:
     cmd = peer_command(row, args)
     started = time.perf_counter()
-    result = run_stoppable(cmd, threads_env(args.nprocs))
+    result = harness.run_stoppable(cmd, harness.threads_env(args.nprocs))
     epochs = peer_epochs(result.stdout)
     if result.returncode != 0 or len(epochs) != args.epochs:
         error = ((result.stderr.strip().splitlines() or ["no output"])[-1][:200] if result.returncode else
@@ -395,24 +253,11 @@ def run_peer(row: Row, args) -> dict:
 def side_by_side(args, extra: list[str]) -> list[dict] | None:
     """N bare-step processes at once, one per device (or per share of the cores): what each printed, or None
     if one failed (its error went to stderr)."""
-    procs = []
-    for i in range(args.nprocs):
-        device = f"cuda:{i}" if args.device == "cuda" else "cpu"
-        cmd = [sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--batch-size",
-               str(args.batch_size), "--steps", str(args.steps * (args.epochs - 1)), "--warmup", str(args.steps)]
-        # a session of their own: on Ctrl-C they are killed below, with no traceback of theirs on the terminal
-        procs.append(subprocess.Popen(cmd + extra, cwd=ROOT, env=threads_env(args.nprocs), stdout=subprocess.PIPE,
-                                      text=True, start_new_session=True))
-    try:
-        outputs = [p.communicate()[0] for p in procs]
-    except KeyboardInterrupt:  # nothing of theirs to keep
-        for p in procs:
-            p.kill()
-            p.wait()
-        raise
-    if any(p.returncode for p in procs):
-        return None
-    return [json.loads(out.strip().splitlines()[-1]) for out in outputs]
+    command = [sys.executable, "-m", "benchmarks.bare_step", "--batch-size", str(args.batch_size), "--steps",
+               str(args.steps * (args.epochs - 1)), "--warmup", str(args.steps), *extra]
+    devices = [f"cuda:{i}" if args.device == "cuda" else "cpu" for i in range(args.nprocs)]
+    return harness.last_json_lines([[*command, "--device", device] for device in devices],
+                                   [harness.threads_env(args.nprocs)] * args.nprocs)
 
 
 def ideal(args, amp: str | None) -> dict:
@@ -439,19 +284,8 @@ def device_peak(args, dtype: str) -> float:
     and large convolutions (benchmarks/bare_step.py)."""
     device = "cuda:0" if args.device == "cuda" else "cpu"
     out = subprocess.run([sys.executable, "-m", "benchmarks.bare_step", "--device", device, "--peak", dtype],
-                         cwd=ROOT, env=threads_env(1), capture_output=True, text=True, check=True).stdout
+                         cwd=ROOT, env=harness.threads_env(1), capture_output=True, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])["peak_tflops"]
-
-
-def hardware(device: str, nprocs: int) -> str:
-    if device == "cuda":
-        return f"{nprocs} x {torch.cuda.get_device_name(0)}, torch {torch.__version__}"
-    cpu = platform.processor() or "CPU"
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return f"{os.cpu_count()} cores of {cpu}, no GPU, torch {torch.__version__}"
 
 
 def markdown(results: dict) -> str:
@@ -481,7 +315,7 @@ def markdown(results: dict) -> str:
                   "| peak MB / process | TFLOP/s (% of peak) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for r in (r for r in results["rows"] if r["table"] == table):
-            what = f"`{script_and_flags(r)}`"
+            what = f"`{harness.script_and_flags(r)}`"
             if "images_per_s" not in r:
                 lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | |")
                 continue
@@ -508,23 +342,18 @@ def seed_table(results: dict) -> list[str]:
              "| seed's row | our row | script + flags | s per 50,000-image epoch | speed vs DataParallel |",
              "|---|---|---|---|---|"]
     for seed, r in pairs:
-        what = f"`{script_and_flags(r)}`"
+        what = f"`{harness.script_and_flags(r)}`"
         ratio = f"{r['images_per_s'] / first:.2f}" if first else ""
         lines.append(f"| {seed} | {r['name']} | {what} | {EPOCH_IMAGES / r['images_per_s']:.1f} | {ratio} |")
     return lines + [""]
 
 
-def script_and_flags(r: dict) -> str:
-    """A row's script and its flags, as the tables show them."""
-    return " ".join([r["script"], *r["flags"]])
-
-
 def program(r: dict, n: int) -> str:
     """How a row of the peers table was started, as one would type it."""
     if r["script"] == BARE_STEP:
-        return f"`{script_and_flags(r)}`, {n} side by side"
+        return f"`{harness.script_and_flags(r)}`, {n} side by side"
     launcher = (["python", r["script"], "--nprocs", str(n)] if r.get("start") == "spawn" else
-                ["torchrun", f"--nproc_per_node={n}", *launch_target(r["script"], Path())])
+                ["torchrun", f"--nproc_per_node={n}", *harness.launch_target(r["script"], Path())])
     return f"`{' '.join(launcher + r['flags'])}`"
 
 
@@ -563,8 +392,8 @@ def peers_table(results: dict) -> list[str]:
     ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
     for r in ours:
         if (peer := beside[r["name"]]) in ran:
-            lines.append(f"`{script_and_flags(r)}` ({r['name']}) runs at {r['images_per_s'] / ran[peer]:.2f}x the "
-                         f"{peer}.")
+            lines.append(f"`{harness.script_and_flags(r)}` ({r['name']}) runs at "
+                         f"{r['images_per_s'] / ran[peer]:.2f}x the {peer}.")
     best = max((r for r in results["rows"] if r["table"] != "peer" and "images_per_s" in r),
                key=lambda r: r["images_per_s"], default=None)
     if best and ran:
@@ -578,41 +407,9 @@ def peers_table(results: dict) -> list[str]:
     return lines + [""]
 
 
-def stop_as_ctrl_c(signum: int, _frame) -> None:
-    """A signal handler: the benchmark stops as on Ctrl-C (KeyboardInterrupt), told which signal it was."""
-    raise KeyboardInterrupt(signum)
-
-
-@contextlib.contextmanager
-def stopped_as_ctrl_c():
-    """kill -TERM or a closed terminal (SIGHUP) stop the benchmark within as Ctrl-C does (stop_as_ctrl_c); the
-    handlers in place before come back at the end."""
-    previous = {signum: signal.signal(signum, stop_as_ctrl_c) for signum in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for signum, handler in previous.items():
-            signal.signal(signum, handler)
-
-
-def which_stop(stop: KeyboardInterrupt) -> tuple[int, str]:
-    """The signal behind a KeyboardInterrupt of stopped_as_ctrl_c (Ctrl-C's SIGINT if none), and its name."""
-    signum = stop.args[0] if stop.args else signal.SIGINT
-    return signum, "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-
-
 def write_tables(results: dict, out: Path) -> None:
     """benchmark.json and benchmark.md, each replaced whole."""
-    write_whole(out, {"benchmark.json": json.dumps(results, indent=1), "benchmark.md": markdown(results)})
-
-
-def write_whole(out: Path, files: dict[str, str]) -> None:
-    """Each file {name: text} in `out` replaced whole (written beside, then renamed over): a run stopped or killed
-    meanwhile leaves the previous copy or the new one, never half of one."""
-    for name, text in files.items():
-        partial = out / f".{name}.partial"
-        partial.write_text(text)
-        partial.replace(out / name)
+    harness.write_whole(out, {"benchmark.json": json.dumps(results, indent=1), "benchmark.md": markdown(results)})
 
 
 def chart(results: dict, path: Path) -> None:
@@ -703,10 +500,10 @@ def main(argv=None):
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    meta = {"hardware": hardware(args.device, args.nprocs), "device": args.device, "nprocs": args.nprocs,
+    meta = {"hardware": harness.hardware(args.device, args.nprocs), "device": args.device, "nprocs": args.nprocs,
             "batch_size": args.batch_size, "steps": args.steps, "epochs": args.epochs,
             "command": shlex.join(["python", "-m", "benchmarks.run", *(sys.argv[1:] if argv is None else argv)]),
-            "commit": git_commit(), "flops_per_image": flops_per_image(),
+            "commit": harness.git_commit(), "flops_per_image": flops_per_image(),
             "ideal": {}, "peak_tflops": {}, "left_out": left_out}
     print(f"{meta['hardware']}; {len(selected)} rows", flush=True)
     dtypes = list(dict.fromkeys([None] + [r.amp for r in selected]))
@@ -715,18 +512,15 @@ def main(argv=None):
     stages = len(dtypes) + len(selected) + 1
     bar = tqdm(total=stages, unit="stage", dynamic_ncols=True, disable=None,
                bar_format="{desc}: {n_fmt}/{total_fmt} stages [{elapsed}, about {remaining} left]")
-    started, finished = time.perf_counter(), [0]
+    progress = harness.Progress(stages, write=bar.write)
 
     def done(text: str) -> None:
         bar.update()
-        finished[0] += 1  # a disabled bar (no terminal) counts nothing
-        left = (time.perf_counter() - started) / finished[0] * (stages - finished[0])
-        eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
-        bar.write(f"[{finished[0]}/{stages}] {text}{eta}")
+        progress.done(text)
 
     results = {"meta": meta, "rows": []}
     try:
-        with stopped_as_ctrl_c():  # kill -TERM, a closed terminal: stopped as Ctrl-C stops it
+        with harness.stopped_as_ctrl_c():  # kill -TERM, a closed terminal: stopped as Ctrl-C stops it
             for amp in dtypes:
                 bar.set_description(f"ideal and peak, {amp or 'float32'}")
                 meta["ideal"][amp or "float32"] = ideal(args, amp)
@@ -750,11 +544,9 @@ def main(argv=None):
             again = ideal(args, None)["images_per_s"]
     except KeyboardInterrupt as stop:  # the rows measured so far are in the files, said to be unfinished
         bar.close()  # (the row being measured was stopped by run_stoppable)
-        signum, how = which_stop(stop)
-        print(f"stopped by {how} after {len(results['rows'])} of {len(selected)} rows: "
-              f"{out / 'benchmark.md'} has the rows measured" if results["rows"] else
-              f"stopped by {how} before any row was measured: nothing written", file=sys.stderr, flush=True)
-        sys.exit(128 + signum)
+        sys.exit(harness.stopped_status(stop, f"after {len(results['rows'])} of {len(selected)} rows: "
+                                        f"{out / 'benchmark.md'} has the rows measured" if results["rows"] else
+                                        "before any row was measured: nothing written"))
     done(f"ideal float32 again: {again:.1f} images/s")
     bar.close()
     meta.pop("unfinished", None)

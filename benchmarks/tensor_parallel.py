@@ -13,22 +13,18 @@ output and gradients with one process's, and counts what the ranks send (every c
 message that reaches torch's dispatcher) and the weight bytes each rank holds.
 """
 import argparse
-import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
 
-from utils.spawn import free_port
+from benchmarks import harness
 
 RANKS = 2
 BATCH = 8
@@ -146,27 +142,23 @@ def _local_bytes(tensor) -> int:
     return local.numel() * local.element_size()
 
 
-def rank_main(rank: int, port: int, device_kind: str, out: str) -> None:
+def rank_main(rank: int, world_size: int, port: int, device_kind: str) -> dict:
     device = torch.device(f"cuda:{rank}" if device_kind == "cuda" else "cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", init_method=f"tcp://127.0.0.1:{port}",
-                            rank=rank, world_size=RANKS)
+                            rank=rank, world_size=world_size)
     try:
-        mesh = init_device_mesh(device.type, (RANKS,))
+        mesh = init_device_mesh(device.type, (world_size,))
         results = [run_case(case, layer, mesh, device) for case, layer, _ in CASES]
-        if rank == 0:
-            Path(out).write_text(json.dumps({"torch": torch.__version__, "device": str(device), "rows": results}))
+        return {"torch": torch.__version__, "device": str(device), "rows": results}
     finally:
         dist.destroy_process_group()
 
 
 def measure(device: str = "cpu") -> dict:
     """Every case on 2 spawned ranks; rank 0's findings."""
-    with tempfile.TemporaryDirectory() as scratch:
-        out = os.path.join(scratch, "rank0.json")
-        mp.spawn(rank_main, args=(free_port(), device, out), nprocs=RANKS)
-        return json.loads(Path(out).read_text())
+    return harness.spawn_ranks(rank_main, RANKS, device)[0]
 
 
 def activations_and_weights() -> tuple[int, int, int]:

@@ -10,7 +10,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from benchmarks import run as benchmark
+from benchmarks import harness
 from tools import timeline
 from utils import flags
 from utils.errors import UsageError, exit_on_error
@@ -48,19 +48,19 @@ def draw_every_script(folder: Path, runs: Path, only: list[str] | None = None) -
     for name, (start, script, own) in EVERY_SCRIPT.items():
         if only and name not in only:
             continue
-        if start == "replica groups" and not benchmark.importable("torchft"):
+        if start == "replica groups" and not harness.importable("torchft"):
             print(f"{name}: left out, it needs torchft (pip install torchft)")
             continue
         out = runs / name
         shutil.rmtree(out, ignore_errors=True)
-        row = benchmark.Row(name, script, start)
+        row = harness.Row(name, script, start)
         ranks = RANKS.get(name, 2)
-        cmd = benchmark.launch(row, nprocs=ranks) + EVERY_SCRIPT_FLAGS + own + ["--output-dir", str(out)]
-        env = benchmark.threads_env(ranks)
-        result = (benchmark.run_replica_groups(cmd, 2, env) if start == "replica groups"
-                  else benchmark.run_stoppable(cmd, env))
+        cmd = harness.launch(row, nprocs=ranks) + EVERY_SCRIPT_FLAGS + own + ["--output-dir", str(out)]
+        env = harness.threads_env(ranks)
+        result = (harness.run_replica_groups(cmd, 2, env) if start == "replica groups"
+                  else harness.run_stoppable(cmd, env))
         if result.returncode:
-            raise UsageError(f"{name} failed: {benchmark.why_it_failed(result.stderr)}")
+            raise UsageError(f"{name} failed: {harness.why_it_failed(result.stderr)}")
         lanes = timeline.read_run(out)
         ran_as = {"python": "one process", "replica groups": "2 replica groups of one process (gloo)"}.get(
             start, f"{ranks} ranks (gloo)")

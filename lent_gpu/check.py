@@ -40,12 +40,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks.commit import git_commit
+from benchmarks.harness import EPOCH_IMAGES, ROOT, git_commit
 from examples.local_processes import alive, descendants, session_members
 from utils import flags
 
-ROOT = Path(__file__).resolve().parent.parent
-EPOCH_IMAGES = 50_000
 # the job of the headline figure: one process, bfloat16, the data set and its augmentation on the GPU
 JOB = ["--dataset", "synthetic", "--train-samples", str(EPOCH_IMAGES), "--test-samples", "10000", "--batch-size",
        "256", "--epochs", "3", "--workers", "0", "--print-freq", "100", "--amp-dtype", "bfloat16", "--loader",

@@ -11,8 +11,7 @@ import pytest
 from processes import interrupted, processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
-from benchmarks import diloco
-from benchmarks import run as benchmark
+from benchmarks import diloco, harness
 from examples.local_processes import alive
 from safety_net.metrics_log import MetricsLog
 
@@ -95,7 +94,7 @@ def test_a_run_past_its_limit_is_ended_with_the_processes_it_started():
              "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid")
     parent = (f"import signal, subprocess, sys, time\ndef end(*_):\n    print({start}, flush=True)\n    sys.exit(0)\n"
               f"signal.signal(signal.SIGTERM, end)\nprint({start}, flush=True)\ntime.sleep(120)")
-    result = benchmark.run_stoppable([sys.executable, "-c", parent], subprocess_env(), limit_s=1.5)
+    result = harness.run_stoppable([sys.executable, "-c", parent], subprocess_env(), limit_s=1.5)
     started = [int(pid) for pid in result.stdout.split()]
     assert result.returncode == 124 and len(started) == 2, result
     assert not alive(started)

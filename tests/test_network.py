@@ -14,7 +14,7 @@ import pytest
 from processes import interrupted, processes_naming
 from script_runs import ROOT, run_main, subprocess_env
 
-from benchmarks import network
+from benchmarks import harness, network
 from utils.errors import UsageError
 
 # one row, per-rank batch 8, 2 timed steps a rate, no learning runs: the path of every row at a fraction of the time
@@ -44,9 +44,9 @@ def test_bad_input_is_one_line_and_writes_nothing(argv, said, tmp_path, capsys):
 def test_rates_go_fastest_first_and_only_names_rows():
     assert [r["label"] for r in network.parse_rates("30mbit,unshaped,1gbit")] == ["unshaped", "1 Gbit/s",
                                                                                  "30 Mbit/s"]
-    assert [r.name for r in network.rows_named(["DDP"])] == ["DDP"]  # a whole name: that row alone
-    assert [r.name for r in network.rows_named(["fp16,powersgd"])] == ["DDP + fp16 compression",
-                                                                        "DDP + PowerSGD (rank 2)"]
+    assert [r.name for r in harness.rows_named(network.rows(), ["DDP"])] == ["DDP"]  # a whole name: that row alone
+    assert [r.name for r in harness.rows_named(network.rows(), ["fp16,powersgd"])] == ["DDP + fp16 compression",
+                                                                                        "DDP + PowerSGD (rank 2)"]
 
 
 def test_timed_steps_are_the_second_epochs_after_its_first_and_after_the_recorded_ones():

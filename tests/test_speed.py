@@ -246,7 +246,7 @@ def test_a_row_stopped_with_the_benchmark_gets_sigterm_and_time_to_exit(tmp_path
     import signal
     import sys
 
-    from benchmarks import run as bench
+    from benchmarks import harness
     marker = tmp_path / "exited"
     child = ("import signal, sys, time\n"
              "def stop(*_):\n    time.sleep(0.5)\n    open(sys.argv[1], 'w').write('cleanly')\n    sys.exit(143)\n"
@@ -259,7 +259,7 @@ def test_a_row_stopped_with_the_benchmark_gets_sigterm_and_time_to_exit(tmp_path
     signal.setitimer(signal.ITIMER_REAL, 1.5)  # Ctrl-C 1.5 s into the row
     try:
         with pytest.raises(KeyboardInterrupt):
-            bench.run_stoppable([sys.executable, "-c", child, str(marker)], env=None)
+            harness.run_stoppable([sys.executable, "-c", child, str(marker)], env=None)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -272,10 +272,31 @@ def test_a_rows_launcher_is_out_of_reach_of_the_terminals_ctrl_c():
     import os
     import sys
 
-    from benchmarks import run as bench
-    result = bench.run_stoppable([sys.executable, "-c", "import os; print(os.getsid(0), os.getpgrp())"], env=None)
+    from benchmarks import harness
+    result = harness.run_stoppable([sys.executable, "-c", "import os; print(os.getsid(0), os.getpgrp())"], env=None)
     session, group = map(int, result.stdout.split())
     assert session != os.getsid(0) and group != os.getpgrp()
+
+
+def test_a_stop_while_the_launcher_starts_leaves_nothing_running(monkeypatch, tmp_path):
+    """Ctrl-C as Popen is starting the row's launcher: the launcher runs, but the benchmark holds no handle on it;
+    run_stoppable still finds it by its mark and kills it (the old code left it: a flaky Ctrl-C test of
+    benchmarks.diloco found one of its processes alive)."""
+    import subprocess
+
+    from processes import processes_naming
+
+    from benchmarks import harness
+    start = subprocess.Popen._execute_child  # private: where the child exists before Popen has returned
+
+    def started_then_stopped(self, *args, **kwargs):
+        start(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", started_then_stopped)
+    with pytest.raises(KeyboardInterrupt):
+        harness.run_stoppable([sys.executable, "-c", "import time; time.sleep(60)", str(tmp_path)], env=None)
+    assert not processes_naming(tmp_path)
 
 
 def test_a_finished_benchmark_is_not_said_to_be_unfinished(monkeypatch, tmp_path):
@@ -312,7 +333,7 @@ def test_only_a_whole_row_name_selects_that_row_and_a_part_of_one_every_row_that
     # a whole name with commas in it is one --only value; the rows run in the order named, each once
     named = bench.rows_named(["DDP + bfloat16, CUDA graphs", "seed,DDP (torchrun)"], "cuda")
     assert [r.name for r in named] == ["DDP + bfloat16, CUDA graphs", *bench.seed_rows("cuda").values()]
-    assert bench.rows_named(["seed,no such row"], "cpu") == "--only 'no such row' matches no row"
+    assert bench.rows_named(["seed,no such row"], "cpu").startswith("--only 'no such row' matches no row (the rows: ")
 
 
 def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
@@ -321,7 +342,7 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
     ceiling; each of ours against the plain loop of its precision; --quick leaves out the compiled ceiling
     and the CPU the CUDA graphs one, each saying so in one line."""
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
-    monkeypatch.setattr(bench, "importable", lambda module: True)
+    monkeypatch.setattr(bench.harness, "importable", lambda module: True)
     monkeypatch.setattr(bench, "ideal", lambda args, amp: {"images_per_s": 200.0 if amp else 100.0})
     bench.main(["--quick", "--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "benchmark.json").read_text())
@@ -361,7 +382,7 @@ def test_peers_table_beside_ddp_torchrun(monkeypatch, tmp_path):
 
 def test_peers_without_quick_measure_the_compiled_ceiling(monkeypatch, tmp_path):
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
-    monkeypatch.setattr(bench, "importable", lambda module: True)
+    monkeypatch.setattr(bench.harness, "importable", lambda module: True)
     bench.main(["--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
     table = (tmp_path / "benchmark.md").read_text()
     assert "| bare step, compiled | `benchmarks/bare_step.py --compile default`, 2 side by side | 2 | 120.0 " \
@@ -375,7 +396,7 @@ def test_peers_without_quick_measure_the_compiled_ceiling(monkeypatch, tmp_path)
 
 def test_lightning_row_is_left_out_in_one_line_where_lightning_is_missing(monkeypatch, tmp_path, capsys):
     bench = fake_measurements(monkeypatch, native_bfloat16=True)
-    monkeypatch.setattr(bench, "importable", lambda module: module != "lightning")
+    monkeypatch.setattr(bench.harness, "importable", lambda module: module != "lightning")
     bench.main(["--quick", "--device", "cpu", "--only", "peers", "--output-dir", str(tmp_path)])
     results = json.loads((tmp_path / "benchmark.json").read_text())
     assert "Lightning Trainer, DDP" not in [r["name"] for r in results["rows"]]
@@ -395,7 +416,7 @@ def test_a_peer_is_read_from_its_epoch_lines(monkeypatch):
     lines = ["GPU available: False, used: False"] + [json.dumps(
         {"epoch": e, "images_per_s": rate, "epoch_time_s": 1.0, "train_loss": 4.6, "world_size": 2,
          "outputs": "float32"}) for e, rate in ((1, 5.0), (2, 30.0), (3, 10.0), (4, 20.0))]
-    monkeypatch.setattr(bench, "run_stoppable", lambda cmd, env: CompletedProcess(cmd, 0, "\n".join(lines), ""))
+    monkeypatch.setattr(bench.harness, "run_stoppable", lambda cmd, env: CompletedProcess(cmd, 0, "\n".join(lines), ""))
     args = Namespace(nprocs=2, device="cpu", batch_size=4, steps=1, epochs=4, workers=0)
     (plain,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop"]
     (plain_bf16,) = [r for r in bench.rows("cpu") if r.name == "plain tutorial DDP loop + bfloat16 autocast"]
@@ -501,12 +522,13 @@ def test_every_row_of_ours_gives_flags_its_script_accepts(monkeypatch):
     make its row fail. The device-side data path is the float32 twin of DDP (torchrun), the row it is compared with."""
     import importlib
 
+    from benchmarks import harness
     from benchmarks import run as bench
     from speed import cuda_graphs
     monkeypatch.setattr(cuda_graphs, "_no_gpu", lambda args: None)  # the GPU rows' --cuda-graphs, as on a GPU
     for device in ("cpu", "cuda"):
         for row in bench.rows(device):
-            if row.table == "peer" or row.needs and not bench.importable(row.needs):  # an optional dependency
+            if row.table == "peer" or row.needs and not harness.importable(row.needs):  # an optional dependency
                 continue
             script = importlib.import_module(row.script.removesuffix(".py"))
             script.parse_args(row.flags)

@@ -20,7 +20,6 @@ from pathlib import Path
 from utils import flags
 from utils.errors import UsageError, exit_on_error
 
-ROOT = Path(__file__).resolve().parent.parent
 PROFILE = "profile"  # safety_net.profiling.FOLDER, without importing torch
 CATEGORIES = {"forward": "#4c72b0", "backward": "#dd8452", "optimizer": "#55a868", "data loading": "#c7c7c7"}
 COMPUTE = ("forward", "backward", "optimizer")  # what the overlap counts as compute
