@@ -55,13 +55,12 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['hardware']}; commit {meta['commit']}. Command: `{meta['command']}`.",
              f"{rows[0]['stages']} stages, a batch of {rows[0]['batch']}, float32; each figure the median of "
              f"{RECORDED} recorded steps. Idle: the share of the schedule's span a stage runs none of its own "
-             "forward or backward operators.", "",
-             "| schedule | micro-batches M | theory (S-1)/(M+S-1) | measured idle, each stage | mean | step (ms) |",
-             "|---|---|---|---|---|---|"]
-    for r in rows:
-        each = ", ".join(f"{share:.0%}" for share in r["idle"])
-        lines.append(f"| {r['schedule']} | {r['microbatches']} | {r['theory']:.0%} | {each} "
-                     f"| {sum(r['idle']) / len(r['idle']):.0%} | {r['step_ms']:.0f} |")
+             "forward or backward operators.", ""]
+    lines += harness.table(["schedule", "micro-batches M", "theory (S-1)/(M+S-1)", "measured idle, each stage", "mean",
+                            "step (ms)"],
+                           [[r["schedule"], r["microbatches"], f"{r['theory']:.0%}",
+                             ", ".join(f"{share:.0%}" for share in r["idle"]), f"{sum(r['idle']) / len(r['idle']):.0%}",
+                             f"{r['step_ms']:.0f}"] for r in rows])
     return "\n".join(lines) + "\n"
 
 

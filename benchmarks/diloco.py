@@ -186,11 +186,10 @@ def counts_table(results: dict) -> list[str]:
     ddp = next(r for r in counts if r["sync_every"] is None)
     lines = ["### What it sends, counted", "",
              f"{meta['ranks']} ranks (torch.multiprocessing.spawn, gloo), float32, {counts[0]['steps']} steps each, "
-             "each rank's batch 2 random 8x8 images.", "",
-             "| what is counted | all-reduces / step | MB sent in them / step | bytes vs DDP |", "|---|---|---|---|"]
-    for r in counts:
-        lines.append(f"| {count_name(r)} | {r['all_reduces'] / r['steps']:.4g} | {r['bytes'] / r['steps'] / 2**20:.3f} "
-                     f"| {r['bytes'] / ddp['bytes']:.4f} |")
+             "each rank's batch 2 random 8x8 images.", "", *harness.table(
+                 ["what is counted", "all-reduces / step", "MB sent in them / step", "bytes vs DDP"],
+                 [[count_name(r), f"{r['all_reduces'] / r['steps']:.4g}", f"{r['bytes'] / r['steps'] / 2**20:.3f}",
+                   f"{r['bytes'] / ddp['bytes']:.4f}"] for r in counts])]
     lines += ["", f"DDP's all-reduces, step by step: {step_runs(ddp['all_reduces_per_step'])}."]
     other = {k: v for r in counts for k, v in r["other"].items()}
     lines += [f"Other collectives counted: {other}." if other else "No other collective was called.", ""]
@@ -216,22 +215,20 @@ def learning_table(results: dict) -> list[str]:
              f"the scripts' cosine, {TEST_SAMPLES} held-out images; each script's other flags at their defaults. "
              "Held-out top-1 and loss after each epoch and the last epoch's training loss (the mean over its steps "
              "and both ranks, each rank's loss on its own batches) from each run's metrics.jsonl; wall s: the whole "
-             "run (start-up, training, evaluation), timed by this benchmark.", "",
-             "| run | " + " | ".join(f"held-out top-1 (loss) after {s} steps" if i == 0 else f"after {s}"
-                                   for i, s in enumerate(steps)) + " | last epoch's training loss | wall s |",
-             "|---|" + "---|" * (len(steps) + 2)]
-    done = {r["name"]: r for r in results["learning"]}
+             "run (start-up, training, evaluation), timed by this benchmark.", ""]
+    done, cells = {r["name"]: r for r in results["learning"]}, []
     for row in learning["rows"]:
         r = done.get(row["name"])
         if r is None:
-            lines.append(f"| {run_name(row)} | not measured: the benchmark was stopped before this run ended |" +
-                         " |" * (len(steps) + 1))
+            cells.append([run_name(row), "not measured: the benchmark was stopped before this run ended",
+                          *[""] * (len(steps) + 1)])
         elif "error" in r:
-            lines.append(f"| {run_name(r)} | failed: {r['error']} |" + " |" * len(steps) + f" {r['wall_s']:.0f} |")
+            cells.append([run_name(r), f"failed: {r['error']}", *[""] * len(steps), f"{r['wall_s']:.0f}"])
         else:
-            cells = [f"{e['top1']:.1f}% ({e['test_loss']:.3g})" for e in r["epochs"]]
-            lines.append(f"| {run_name(r)} | " + " | ".join(cells) +
-                         f" | {r['epochs'][-1]['train_loss']:.3g} | {r['wall_s']:.0f} |")
+            cells.append([run_name(r), *(f"{e['top1']:.1f}% ({e['test_loss']:.3g})" for e in r["epochs"]),
+                          f"{r['epochs'][-1]['train_loss']:.3g}", f"{r['wall_s']:.0f}"])
+    lines += harness.table(["run", *(f"held-out top-1 (loss) after {s} steps" if i == 0 else f"after {s}"
+                                     for i, s in enumerate(steps)), "last epoch's training loss", "wall s"], cells)
     lines += ["", "Commands (each run also given `--output-dir`, a temporary folder):", "", "```"]
     lines += [as_typed(row, learning["train_samples"], learning["epochs"]) for row in learning["rows"]]
     return lines + ["```", ""]

@@ -282,9 +282,11 @@ def stopped_status(stop: KeyboardInterrupt, what: str) -> int:
 
 
 def table(header: list[str], rows: list[list]) -> list[str]:
-    """A Markdown table's lines (a library such as tabulate would add a dependency for these three lines)."""
-    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)] + [
-        "| " + " | ".join("" if cell is None else str(cell) for cell in row) + " |" for row in rows]
+    """A Markdown table's lines, an empty cell (or None) as "| |" (a library such as tabulate would add a dependency
+    for these lines)."""
+    def line(cells):
+        return "|" + "".join(" |" if cell is None or cell == "" else f" {cell} |" for cell in cells)
+    return [line(header), "|" + "---|" * len(header), *map(line, rows)]
 
 
 def rows_named(every: list, only: list[str] | None, keywords: dict[str, set] | None = None) -> list | str:

@@ -230,11 +230,8 @@ def markdown(results: list[dict], meta: dict) -> str:
     lines = [f"Hardware: {meta['hardware']}; torch {meta['torch']}. Command: `{meta['command']}`.",
              f"Per-rank batch {meta['batch_size']}, float32, SGD with momentum; median of {meta['steps']} steps "
              f"after {meta['warmup']}. Bytes are rank 0's (the pipeline's: its largest stage's, the rank named), "
-             "counted from its tensors.", "",
-             "| model | parameters | strategy | ranks | params MB | grads MB | optimizer MB | state MB / rank "
-             "| peak MB (device) | collectives / step | MB of their buffers / step | s per 50,000-image epoch "
-             "| time vs DDP |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "counted from its tensors.", ""]
+    rows = []
     for r in results:
         ddp = next((d for d in results if d["model"] == r["model"] and d["ranks"] == r["ranks"]
                     and d["strategy"] == "DDP"), None)
@@ -243,11 +240,13 @@ def markdown(results: list[dict], meta: dict) -> str:
                           for k, n in sorted(r["collectives"].items())) or "none"
         epoch = harness.EPOCH_IMAGES / (r["batch_size"] * r["ranks"]) * r["step_s"]
         strategy = r["strategy"] + (f" (rank {r['rank']})" if r.get("rank") else "")
-        lines.append(f"| {r['model']} | {r['parameters'] / 1e6:.1f} M | {strategy} | {r['ranks']} "
-                     f"| {r['param_bytes'] / mb:.0f} | {r['grad_bytes'] / mb:.0f} | {r['optimizer_bytes'] / mb:.0f} "
-                     f"| {state / mb:.0f} | {r['peak_memory_mb']:.0f} | {calls} "
-                     f"| {sum(r['collective_bytes'].values()) / mb:.0f} | {epoch:.0f} "
-                     f"| {r['step_s'] / ddp['step_s']:.2f} |" if ddp else "| |")
+        rows.append([r["model"], f"{r['parameters'] / 1e6:.1f} M", strategy, r["ranks"], f"{r['param_bytes'] / mb:.0f}",
+                     f"{r['grad_bytes'] / mb:.0f}", f"{r['optimizer_bytes'] / mb:.0f}", f"{state / mb:.0f}",
+                     f"{r['peak_memory_mb']:.0f}", calls, f"{sum(r['collective_bytes'].values()) / mb:.0f}",
+                     f"{epoch:.0f}", f"{r['step_s'] / ddp['step_s']:.2f}" if ddp else ""])
+    lines += harness.table(["model", "parameters", "strategy", "ranks", "params MB", "grads MB", "optimizer MB",
+                            "state MB / rank", "peak MB (device)", "collectives / step", "MB of their buffers / step",
+                            "s per 50,000-image epoch", "time vs DDP"], rows)
     return "\n".join(lines) + "\n"
 
 

@@ -204,15 +204,15 @@ def markdown(results: dict) -> str:
              f"with `--dist-timeout {meta['outage_timeout']}`, the lasting cuts' with `--dist-timeout {timeout}`.", ""]
     if meta.get("unfinished"):
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
-    lines += ["| DDP (torchrun), link down for | no step line for | a step (median) | exit statuses |",
-              "|---|---|---|---|"]
-    lines += [f"| {r['outage_s']:g} s | " + (f"{r['stood_still_s']:.1f} s" if r["stood_still_s"] is not None else
-                                             "no step after it") + f" | {r['step_s']:.2f} s | {r['status']} |"
-              for r in results["outages"]]
-    lines += ["", "| lasting cut | host 0 exits after | host 1 exits after | exit statuses | steps lost (last printed "
-              "- checkpoint's) |", "|---|---|---|---|---|"]
-    lines += [f"| {r['launcher']} | {r['exited_after_s'][0]:.1f} s | {r['exited_after_s'][1]:.1f} s | {r['status']} "
-              f"| {r['steps_lost']} ({r['last_step']} - {r['checkpoint_step']}) |" for r in results["lasting"]]
+    lines += harness.table(["DDP (torchrun), link down for", "no step line for", "a step (median)", "exit statuses"],
+                           [[f"{r['outage_s']:g} s", "no step after it" if r["stood_still_s"] is None else
+                             f"{r['stood_still_s']:.1f} s", f"{r['step_s']:.2f} s", r["status"]]
+                            for r in results["outages"]])
+    lines += ["", *harness.table(
+        ["lasting cut", "host 0 exits after", "host 1 exits after", "exit statuses",
+         "steps lost (last printed - checkpoint's)"],
+        [[r["launcher"], f"{r['exited_after_s'][0]:.1f} s", f"{r['exited_after_s'][1]:.1f} s", r["status"],
+          f"{r['steps_lost']} ({r['last_step']} - {r['checkpoint_step']})"] for r in results["lasting"]])]
     if live := results.get("live_recovery"):
         lines += ["", f"Live recovery (heartbeat timeout {live['heartbeat_s']:g} s): group 0 stood still "
                   f"{live['group_0_still_s']:.1f} s after the cut, then trained on alone; group 1 exited (status "

@@ -491,20 +491,15 @@ def cell(results: dict, name: str, rate: dict) -> str:
 def ladder_table(results: dict) -> list[str]:
     """Step time (s) of each strategy at each rate, with step / floor."""
     rates = results["meta"]["rates"]
-    lines = ["### Step time against link rate (s per step, and step / floor)", "",
-             "| strategy | " + " | ".join(r["label"] for r in rates) + " |", "|---|" + "---|" * len(rates)]
-    for name in results["meta"]["rows"]:
-        lines.append(f"| {name} | " + " | ".join(cell(results, name, r) for r in rates) + " |")
-    return lines + [""]
+    return ["### Step time against link rate (s per step, and step / floor)", "", *harness.table(
+        ["strategy", *(r["label"] for r in rates)],
+        [[name, *(cell(results, name, r) for r in rates)] for name in results["meta"]["rows"]]), ""]
 
 
 def bytes_table(results: dict) -> list[str]:
     """Each strategy's bytes per step: the collectives of one recorded step beside the interface counters."""
     done = measured(results)
-    lines = ["### Bytes per step: the collectives beside the interface counters", "",
-             "| strategy | collectives of one step (rank 0) | MB sent, host 0 / host 1, from the collectives "
-             "| MB sent, host 0 / host 1, from the counters (median over the rates) | counters / collectives, both "
-             "hosts (and their difference) |", "|---|---|---|---|---|"]
+    cells = []
     for name in results["meta"]["rows"]:
         counted = results["collectives"].get(name)
         runs = [r for (row, _), r in done.items() if row == name]
@@ -516,29 +511,31 @@ def bytes_table(results: dict) -> list[str]:
         theirs = " / ".join(f"{mb:.1f}" for mb in wire) if wire else ""
         apart = agreement(results, name)  # and the difference, both hosts, in MB
         ratio = f"{apart:.3f} ({(apart - 1) * sum(counted['sent_mb']):+.2f} MB)" if apart is not None else ""
-        lines.append(f"| {name} | {calls} | {ours} | {theirs} | {ratio} |")
-    return lines + [""]
+        cells.append([name, calls, ours, theirs, ratio])
+    return ["### Bytes per step: the collectives beside the interface counters", "", *harness.table(
+        ["strategy", "collectives of one step (rank 0)", "MB sent, host 0 / host 1, from the collectives",
+         "MB sent, host 0 / host 1, from the counters (median over the rates)",
+         "counters / collectives, both hosts (and their difference)"], cells), ""]
 
 
 def rate_table(results: dict, rate: dict) -> list[str]:
     """Every row at one rate, with its bytes, compute alone and floor."""
     alone = results["meta"]["compute_alone"]["step_s"]
-    lines = [f"### At {rate['label']}", "",
-             "| strategy | script + flags | step s | MB sent per step, host 0 / host 1 (counters) | counters / "
-             "collectives | compute alone s | floor s | step / floor |", "|---|---|---|---|---|---|---|---|"]
+    cells = []
     scripts = {r.name: harness.script_and_flags({"script": r.script, "flags": r.flags}) for r in rows()}
     for run in (r for r in results["runs"] if r["rate"] == rate["label"]):
         what = f"`{scripts.get(run['row'], '')}`"
         if "step_s" not in run:
-            lines.append(f"| {run['row']} | {what} | failed: {run['error']} | | | | | |")
+            cells.append([run["row"], what, f"failed: {run['error']}", "", "", "", "", ""])
             continue
         counted = results["collectives"].get(run["row"])
         ratio = f"{sum(run['sent_mb']) / sum(counted['sent_mb']):.3f}" if counted and sum(counted["sent_mb"]) else ""
         floor = floor_s(results, run, rate)
-        lines.append(f"| {run['row']} | {what} | {run['step_s']:.2f} | "
-                     f"{' / '.join(f'{mb:.1f}' for mb in run['sent_mb'])} | {ratio} | {alone:.2f} | {floor:.2f} | "
-                     f"{run['step_s'] / floor:.2f} |")
-    return lines + [""]
+        cells.append([run["row"], what, f"{run['step_s']:.2f}", " / ".join(f"{mb:.1f}" for mb in run["sent_mb"]), ratio,
+                      f"{alone:.2f}", f"{floor:.2f}", f"{run['step_s'] / floor:.2f}"])
+    return [f"### At {rate['label']}", "", *harness.table(
+        ["strategy", "script + flags", "step s", "MB sent per step, host 0 / host 1 (counters)",
+         "counters / collectives", "compute alone s", "floor s", "step / floor"], cells), ""]
 
 
 def goals(results: dict) -> list[str]:
@@ -631,21 +628,22 @@ def learning_table(results: dict) -> list[str]:
     if not results.get("learning"):
         return []
     base = next((r for r in results["learning"] if r["name"] == "DDP" and "train_loss" in r), None)
-    lines = ["### What compression costs in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
-             "| row | flags | steps | training loss, last epoch | test loss | top-1 % | training loss - DDP's |",
-             "|---|---|---|---|---|---|---|"]
+    cells = []
     for r in results["learning"]:
         flags_text = f"`{' '.join(r['flags'])}`" if r["flags"] else ""
         if "train_loss" not in r:
-            lines.append(f"| {r['name']} | {flags_text} | failed: {r['error']} | | | | |")
+            cells.append([r["name"], flags_text, f"failed: {r['error']}", "", "", "", ""])
             continue
         versus = f"{r['train_loss'] - base['train_loss']:+.4f}" if base else ""
-        lines.append(f"| {r['name']} | {flags_text} | {r['steps']} | {r['train_loss']:.4f} | {r['test_loss']:.4f} "
-                     f"| {r['top1']:.1f} | {versus} |")
-    return lines + ["", "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces "
-                    "in full through the first epoch and compresses from the second. Each row is one run. \"DDP, "
-                    "another seed\" is one measure of how far two runs of the same method land apart: a "
-                    "compression's difference within it cannot be told from noise.", ""]
+        cells.append([r["name"], flags_text, r["steps"], f"{r['train_loss']:.4f}", f"{r['test_loss']:.4f}",
+                      f"{r['top1']:.1f}", versus])
+    return ["### What compression costs in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
+            *harness.table(["row", "flags", "steps", "training loss, last epoch", "test loss", "top-1 %",
+                            "training loss - DDP's"], cells), "",
+            "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces in full through "
+            "the first epoch and compresses from the second. Each row is one run. \"DDP, another seed\" is one "
+            "measure of how far two runs of the same method land apart: a compression's difference within it cannot "
+            "be told from noise.", ""]
 
 
 def chart(results: dict, path: Path) -> None:

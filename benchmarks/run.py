@@ -310,14 +310,11 @@ def markdown(results: dict) -> str:
     for table, title in (("method", "Methods"), ("technique", "Techniques (one flag changed on DDP (torchrun))")):
         if not any(r["table"] == table for r in results["rows"]):
             continue
-        lines += [f"### {title}", "",
-                  "| row | script + flags | processes | images/s | s per 50,000-image epoch | vs ideal | vs DDP "
-                  "| peak MB / process | TFLOP/s (% of peak) |",
-                  "|---|---|---|---|---|---|---|---|---|"]
+        cells = []
         for r in (r for r in results["rows"] if r["table"] == table):
             what = f"`{harness.script_and_flags(r)}`"
             if "images_per_s" not in r:
-                lines.append(f"| {r['name']} | {what} | | {r.get('error', 'not run')} | | | | | |")
+                cells.append([r["name"], what, "", r.get("error", "not run"), "", "", "", "", ""])
                 continue
             rate, peak = r["images_per_s"], meta["peak_tflops"].get(r["amp"] or "float32")
             tflops = rate * meta["flops_per_image"] / 1e12
@@ -325,8 +322,11 @@ def markdown(results: dict) -> str:
             versus_ideal = f"{rate / ideal_rate:.2f}" if ideal_rate else ""  # each left blank where not measured
             versus_ddp = f"{rate / base['images_per_s']:.2f}" if base else ""
             share = f" ({100 * tflops / peak:.0f}%)" if peak else ""
-            lines.append(f"| {r['name']} | {what} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
-                         f"| {versus_ideal} | {versus_ddp} | {r['peak_memory_mb']:.0f} | {tflops:.3g}{share} |")
+            cells.append([r["name"], what, r["processes"], f"{rate:.1f}", f"{EPOCH_IMAGES / rate:.1f}", versus_ideal,
+                          versus_ddp, f"{r['peak_memory_mb']:.0f}", f"{tflops:.3g}{share}"])
+        lines += [f"### {title}", "", *harness.table(
+            ["row", "script + flags", "processes", "images/s", "s per 50,000-image epoch", "vs ideal", "vs DDP",
+             "peak MB / process", "TFLOP/s (% of peak)"], cells)]
         lines.append("")
     return "\n".join(lines)
 
@@ -338,13 +338,10 @@ def seed_table(results: dict) -> list[str]:
     if not pairs:
         return []
     first = pairs[0][1]["images_per_s"] if pairs[0][0] == "DataParallel" else None
-    lines = ["### Seed table (the seed project's four rows, measured in this run)", "",
-             "| seed's row | our row | script + flags | s per 50,000-image epoch | speed vs DataParallel |",
-             "|---|---|---|---|---|"]
-    for seed, r in pairs:
-        what = f"`{harness.script_and_flags(r)}`"
-        ratio = f"{r['images_per_s'] / first:.2f}" if first else ""
-        lines.append(f"| {seed} | {r['name']} | {what} | {EPOCH_IMAGES / r['images_per_s']:.1f} | {ratio} |")
+    lines = ["### Seed table (the seed project's four rows, measured in this run)", "", *harness.table(
+        ["seed's row", "our row", "script + flags", "s per 50,000-image epoch", "speed vs DataParallel"],
+        [[seed, r["name"], f"`{harness.script_and_flags(r)}`", f"{EPOCH_IMAGES / r['images_per_s']:.1f}",
+          f"{r['images_per_s'] / first:.2f}" if first else ""] for seed, r in pairs])]
     return lines + [""]
 
 
@@ -376,18 +373,19 @@ def peers_table(results: dict) -> list[str]:
              for dtype, ideal in ideals.items()]
     ceilings = eager + [r for r in peers if r["script"] == BARE_STEP]
     programs = [r for r in peers if r["script"] != BARE_STEP]
-    lines = ["### Peers (the same job written as others write it, and the bare step's ceilings)", "",
-             "| row | program + launcher | processes | images/s | s per 50,000-image epoch | vs ideal "
-             "| vs DDP (torchrun) |", "|---|---|---|---|---|---|---|"]
+    cells = []
     for r in ceilings + ours + programs:
         if "images_per_s" not in r:
-            lines.append(f"| {r['name']} | {program(r, n)} | | {r.get('error', 'not run')} | | | |")
+            cells.append([r["name"], program(r, n), "", r.get("error", "not run"), "", "", ""])
             continue
         rate, ideal_rate = r["images_per_s"], ideals.get(r["amp"] or "float32", {}).get("images_per_s")
         versus_ideal = f"{rate / ideal_rate:.2f}" if ideal_rate else ""
         versus_ddp = f"{rate / base['images_per_s']:.2f}" if base else ""
-        lines.append(f"| {r['name']} | {program(r, n)} | {r['processes']} | {rate:.1f} | {EPOCH_IMAGES / rate:.1f} "
-                     f"| {versus_ideal} | {versus_ddp} |")
+        cells.append([r["name"], program(r, n), r["processes"], f"{rate:.1f}", f"{EPOCH_IMAGES / rate:.1f}",
+                      versus_ideal, versus_ddp])
+    lines = ["### Peers (the same job written as others write it, and the bare step's ceilings)", "", *harness.table(
+        ["row", "program + launcher", "processes", "images/s", "s per 50,000-image epoch", "vs ideal",
+         "vs DDP (torchrun)"], cells)]
     lines.append("")
     ran = {r["name"]: r["images_per_s"] for r in programs if "images_per_s" in r}
     for r in ours:
