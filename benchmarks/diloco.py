@@ -24,7 +24,6 @@ gets SIGTERM, which torchrun passes to its ranks, and whatever of it still runs 
 """
 import copy
 import json
-import re
 import shlex
 import sys
 import tempfile
@@ -294,19 +293,13 @@ def main(argv=None):
     out.mkdir(parents=True, exist_ok=True)
     hardware = harness.hardware("cpu", args.ranks)
     rows = learning_rows(args.learning_sync_every) if args.learning else []
-    meta = {"hardware": hardware, "processor": re.sub(r"^\d+ cores of |, no GPU.*$", "", hardware),
+    meta = {"hardware": hardware, "processor": harness.processor(),
             "torch": torch.__version__, "command": command, "commit": harness.git_commit(), "ranks": args.ranks,
             "learning": {"rows": rows, "train_samples": args.train_samples, "epochs": args.epochs,
                          "run_timeout_s": args.run_timeout,
                          "omp_num_threads": harness.threads_env(2)["OMP_NUM_THREADS"]} if rows else None}
     results = {"meta": meta, "counts": [], "learning": []}
-    stages, started = 1 + len(rows), time.perf_counter()
-
-    def done(stage: int, text: str) -> None:
-        runs = [r["wall_s"] for r in results["learning"]]
-        left = (sum(runs) / len(runs) * (len(rows) - len(runs)) if runs else 0)
-        eta = f"; about {left / 60:.0f} min left" if left >= 60 else "; under a minute left" if left else ""
-        print(f"[{stage}/{stages}] {text} ({time.perf_counter() - started:.0f} s in all){eta}", flush=True)
+    progress = harness.Progress(1 + len(rows), write=lambda line: print(line, flush=True))
 
     print(f"{hardware}; writing {out}", flush=True)
     try:
@@ -315,17 +308,18 @@ def main(argv=None):
             meta["unfinished"] = (f"0 of {len(rows)} learning runs done when this was written; the benchmark did not "
                                   "finish." if rows else None)
             write(results, out)
-            done(1, f"counted: DDP and H = {', '.join(map(str, args.sync_every))}, {args.steps} steps each")
+            progress.done(f"counted: DDP and H = {', '.join(map(str, args.sync_every))}, {args.steps} steps each")
             for i, row in enumerate(rows, start=2):
-                print(f"[{i}/{stages}] {row['name']}: {as_typed(row, args.train_samples, args.epochs)}", flush=True)
+                print(f"[{i}/{progress.stages}] {row['name']}: {as_typed(row, args.train_samples, args.epochs)}",
+                      flush=True)
                 results["learning"].append(learn(row, args))
                 meta["unfinished"] = (f"{len(results['learning'])} of {len(rows)} learning runs done when this was "
                                       "written; the benchmark did not finish.")
                 write(results, out)
                 r = results["learning"][-1]
-                done(i, f"{row['name']}: " + (f"held-out top-1 {r['epochs'][-1]['top1']:.1f}% after "
-                                              f"{args.epochs} epochs, {r['wall_s']:.0f} s" if "epochs" in r
-                                              else f"failed: {r['error']}"))
+                progress.done(f"{row['name']}: " + (f"held-out top-1 {r['epochs'][-1]['top1']:.1f}% after "
+                                                    f"{args.epochs} epochs, {r['wall_s']:.0f} s" if "epochs" in r
+                                                    else f"failed: {r['error']}"))
     except KeyboardInterrupt as stopped:
         sys.exit(harness.stopped_status(stopped, f"after {len(results['learning'])} of {len(rows)} learning runs: "
                                         f"{out / 'diloco.md'} has what was measured" if results["counts"] else
