@@ -13,6 +13,7 @@ distributed_fsdp.py writes sharded checkpoints instead: directories checkpoint.d
 """
 import contextlib
 import fcntl
+import io
 import os
 import pickle
 import re
@@ -114,24 +115,6 @@ def nbytes(obj) -> int:
     return 0
 
 
-class _WritesRemembered:
-    """A file whose failed write is remembered: torch.save turns an OSError (no space left) into a
-    RuntimeError that does not name it."""
-
-    def __init__(self, f):
-        self.f, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self.f.write(data)
-        except OSError as error:
-            self.error = error
-            raise
-
-    def flush(self) -> None:
-        self.f.flush()
-
-
 def fsync(path: str) -> None:
     """Flush a file, or a directory's entries (renames, new files), to the disk."""
     fd = os.open(path, os.O_RDONLY)
@@ -182,12 +165,10 @@ def save_atomic(state: dict, path: str, keep: int | None = None) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     tmp = temporary_path(path)
     try:
+        data = io.BytesIO()
+        torch.save(state, data)  # in memory first: torch.save would hide a failed write's OSError (no space left)
         with open(tmp, "wb") as f:
-            written = _WritesRemembered(f)
-            try:
-                torch.save(state, written)
-            except RuntimeError:  # torch reports a failed write as "unexpected pos ...": say the cause
-                raise written.error or sys.exc_info()[1] from None
+            f.write(data.getbuffer())
             f.flush()
             os.fsync(f.fileno())
         if keep is None:  # a file of its own (python -m safety_net.sharded_checkpoint): no other file is touched
