@@ -56,6 +56,7 @@ class SafetyNet:
         self.stop = stopping.StopSignals(watch_launcher=watch_launcher)
         self.env = self.checkpoint = self.log = self.progress = None
         self.start_at = (0, 0)  # (epoch, step) the run continues from
+        self.newest = None  # the checkpoint to continue or evaluate, read once by __enter__'s checks (newest_readable)
         self.steps_per_epoch = 0
         self.progress_note = None  # a function whose words end each progress line (safety_net/healing.py)
         self.profile_steps, self.profiler = profile_steps, None  # made by running() when asked for
@@ -117,7 +118,7 @@ class SafetyNet:
         self._errors = errors.exit_on_error(self.report_crash)
         self._errors.__enter__()
         try:
-            _check_before_start(self.options, self.script, self.profile_steps)
+            self.newest = _check_before_start(self.options, self.script, self.profile_steps)
         except Exception:
             self.__exit__(*sys.exc_info())  # its line and exit status
             raise  # (exit_on_error exits on every Exception: not reached)
@@ -133,12 +134,11 @@ class SafetyNet:
         it the whole run)."""
         with errors.exit_on_error(SafetyNet.report_crash):
             _check_before_start(checkpoints.Options.from_flags(args), script, args.profile_steps)
-        checkpoints.forget_last_read()
 
     def recorded_precision(self) -> tuple[str | None, str | None]:
         """(precision, path): what the checkpoint this run continues trained in (utils.precision.autocast_dtype
         keeps it), and where it is; (None, None) for a new run or --evaluate."""
-        return checkpoints.recorded_precision(self.options)
+        return checkpoints.recorded_precision(self.options, *self.newest[:2])
 
     @contextlib.contextmanager
     def running(self, env):
@@ -171,10 +171,11 @@ class SafetyNet:
         self.checkpoint = self.checkpoint_kind(self.options, self.env, self.script, precision=precision,
                                                before_save=before_save, **parts)
         if self.options.evaluate:  # --evaluate: only the weights (sharded: each rank its shards), nothing to train
-            self.checkpoint.load_weights()
+            self.checkpoint.load_weights(self.newest and self.newest[1])
             return self.options.epochs
         self.stop.checkpoint_path = self.checkpoint.path  # what a stop that leaves at once says it keeps
-        self.start_at = self.checkpoint.resume()
+        self.start_at = self.checkpoint.resume(self.newest)
+        self.newest = None  # its tensors are in the parts now: not held for the whole run
         self.steps_per_epoch = steps_per_epoch
         self.log = metrics_log.MetricsLog(self.options.output_dir, is_main=self.env.is_main,
                                           done_epochs=self.start_at[0], done_steps=self.start_at[1],
@@ -255,15 +256,16 @@ class SafetyNet:
                 print(self.profiler.last_line(self.options.output_dir, self.env.world_size), flush=True)
 
 
-def _check_before_start(options: checkpoints.Options, script: str, profile_steps: int | None) -> None:
+def _check_before_start(options: checkpoints.Options, script: str, profile_steps: int | None) -> tuple:
     """Before any process group or data (a UsageError, one line): <output-dir> can be written and no other run holds
     it, --init-from names a file, and the checkpoint that --evaluate or a resume would read is there, readable, and
-    of this script's run."""
+    of this script's run. Returns that checkpoint as checkpoint.newest_readable does."""
     checkpoints.check_output_dir_writable(options)
     if not options.evaluate:
         checkpoints.check_output_dir_free(options.output_dir)
-    checkpoints.check_before_start(options, script)
+    newest = checkpoints.check_before_start(options, script)
     profiling.check_before_start(profile_steps, options.evaluate, options.output_dir)  # --profile-steps
+    return newest
 
 
 def _init_from_conflicts(args) -> str | None:

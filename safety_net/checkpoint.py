@@ -192,33 +192,9 @@ def _read(path: str):
         raise Unreadable(first_line(e)) from None
 
 
-_last_read: tuple = (None, None)  # ((path, size, mtime), state): the checks, the precision and resume read it once
-
-
-def forget_last_read() -> None:
-    """Drop the checkpoint load() keeps (after resume restored it: its tensors are in the model now)."""
-    global _last_read
-    _last_read = (None, None)
-
-
 def load(path: str) -> dict:
     """A checkpoint as saved; anything unreadable is a UsageError and the file stays as it is. Of a
-    sharded checkpoint (a directory), only its header: the shards are read by every rank, into the model.
-    The last one read is kept until forget_last_read(), so that a process reads a file once, not thrice."""
-    global _last_read
-    try:
-        stat = os.stat(path)
-        key = (os.path.abspath(path), stat.st_size, stat.st_mtime_ns)
-    except OSError:
-        key = None
-    if key is not None and _last_read[0] == key:
-        return _last_read[1]
-    state = _load(path)
-    _last_read = (key, state) if key is not None else (None, None)
-    return state
-
-
-def _load(path: str) -> dict:
+    sharded checkpoint (a directory), only its header: the shards are read by every rank, into the model."""
     sharded = os.path.isdir(path)
     if sharded:
         if not os.path.isfile(os.path.join(path, ".metadata")):  # DCP's index of the shards, written last
@@ -288,11 +264,11 @@ def resuming(options: Options) -> bool:
     return restarted_by_torchrun or not options.restart
 
 
-def newest_readable(options: Options, say=None) -> tuple[str | None, dict | None, list[str]]:
+def newest_readable(options: Options) -> tuple[str | None, dict | None, list[tuple[str, Unreadable]]]:
     """The checkpoint this run continues and its contents: --resume, else the newest readable one in
     <output-dir> (unless --restart); (None, None, []) when there is none. Also the newer ones that could
-    not be read, each reported through `say` (a print function, or None). When none can be read, the
-    newest one's Unreadable is raised and every file is left as it is."""
+    not be read, each with its Unreadable. When none can be read, the newest one's Unreadable is raised and
+    every file is left as it is. Read once where a process starts (check_before_start) and passed down."""
     if options.resume:
         return options.resume, load(options.resume), []
     candidates = kept_paths(options.output_dir, options.sharded) if resuming(options) else []
@@ -301,24 +277,19 @@ def newest_readable(options: Options, say=None) -> tuple[str | None, dict | None
         try:
             state = load(path)
         except Unreadable as error:
-            errors.append(error)
+            errors.append((path, error))
             continue
-        if say:
-            for error in errors:
-                say(f"{str(error).split('; it was left')[0]}; continuing from {path}, the checkpoint before it")
-        return path, state, candidates[:len(errors)]
+        return path, state, errors
     if errors:
-        raise errors[0]
+        raise errors[0][1]
     return None, None, []
 
 
-def recorded_precision(options: Options) -> tuple[str | None, str | None]:
-    """(precision, path): the precision the checkpoint this run continues trained in, or None for a new run
-    (and for an older checkpoint that recorded only --opt-level O1 --amp-dtype auto)."""
-    if options.evaluate:
-        return None, None
-    path, state, _ = newest_readable(options)
-    if state is None:
+def recorded_precision(options: Options, path: str | None, state: dict | None) -> tuple[str | None, str | None]:
+    """(precision, path): the precision the checkpoint `state` read from `path` (newest_readable's) trained
+    in, or None for a new run or --evaluate (and for an older checkpoint that recorded only --opt-level O1
+    --amp-dtype auto)."""
+    if options.evaluate or state is None:
         return None, None
     if "precision" in state.get("resolved", {}):
         return state["resolved"]["precision"], path
@@ -353,14 +324,16 @@ def check_writable(folder: str, flag: str) -> None:
         raise UsageError(f"{flag}: cannot write in {folder} ({error.strerror})") from None
 
 
-def check_before_start(options: Options, script: str) -> None:
-    """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable."""
+def check_before_start(options: Options, script: str) -> tuple:
+    """Fail before any process starts if the checkpoint that --evaluate or a resume would read is unusable;
+    return it as newest_readable does (--evaluate: <output-dir>'s newest)."""
     if options.evaluate:
-        load(kept_path(options.output_dir, 0, options.sharded))
-        return
-    path, state, _ = newest_readable(options)
+        path = kept_path(options.output_dir, 0, options.sharded)
+        return path, load(path), []
+    path, state, unreadable = newest_readable(options)
     if state is not None:
         check_same_run(state, options, script, path)
+    return path, state, unreadable
 
 
 def lock_path(output_dir: str) -> str:
@@ -430,9 +403,10 @@ class Checkpoint:
         every = self.options.save_every_steps
         return bool(every) and step % every == 0 and step < steps
 
-    def load_weights(self) -> None:
-        """For --evaluate: only the model's weights, from a checkpoint of any of the scripts."""
-        self.set_weights(load(self.path)["model"], self.path)
+    def load_weights(self, state: dict | None = None) -> None:
+        """For --evaluate: only the model's weights, from <output-dir>'s newest checkpoint of any of the scripts
+        (`state`: that checkpoint as check_before_start read it; None: read now)."""
+        self.set_weights((state or load(self.path))["model"], self.path)
 
     def set_weights(self, weights: dict, source: str) -> None:
         """Full weights into the model (whatever wraps it); weights of another model are a UsageError."""
@@ -450,14 +424,16 @@ class Checkpoint:
         if not collectives.all_ok(error is None, self.env.device):
             raise error or UsageError(f"--output-dir {self.options.output_dir} is in use by another run")
 
-    def resume(self) -> tuple[int, int]:
+    def resume(self, newest: tuple | None = None) -> tuple[int, int]:
         """Hold <output-dir>, then restore every part from the checkpoint to continue, if any (or the
-        weights of --init-from for a new run); return the (epoch, step) to start at."""
+        weights of --init-from for a new run); return the (epoch, step) to start at. `newest`: what
+        newest_readable gave where the process started (None: read it now)."""
         self.hold_output_dir()
-        say = (lambda line: print(line, flush=True)) if self.env.is_main else None
-        path, state, unreadable = newest_readable(self.options, say)
+        path, state, unreadable = newest or newest_readable(self.options)
         if self.env.is_main:
-            for bad in unreadable:  # out of the way, so that the next save does not keep it instead of a good one
+            for bad, error in unreadable:  # out of the way: the next save must not keep it instead of a good one
+                print(f"{str(error).split('; it was left')[0]}; continuing from {path}, the checkpoint before it",
+                      flush=True)
                 os.replace(bad, f"{bad}.unreadable-{time.strftime('%Y%m%d-%H%M%S')}")
         if state is None:
             self._keep_old_checkpoints()
@@ -466,7 +442,6 @@ class Checkpoint:
             return 0, 0
         check_same_run(state, self.options, self.script, path)
         self.restore(state, path)
-        forget_last_read()
         self.epoch_loss = tuple(state.get("epoch_loss", (0.0, 0.0)))
         if state["step"]:  # at an epoch's last step, scheduler.step() comes before this process's first step
             warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")

@@ -71,8 +71,9 @@ class ShardedCheckpoint(Checkpoint):
         except (RuntimeError, KeyError, ValueError) as e:
             raise UsageError(f"{source} holds weights of another architecture ({first_line(e)})") from None
 
-    def load_weights(self) -> None:
-        """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard."""
+    def load_weights(self, state: dict | None = None) -> None:
+        """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard (`state`, its
+        header, is not needed)."""
         self._read_weights(self.path, self.path)
 
     def _read_weights(self, path: str, source: str) -> None:

@@ -91,7 +91,9 @@ def write_checkpoint(tmp_path, precision_name, **resolved):
 
 def resolved_dtype(args):
     """What the scripts' autocast_dtype line gives for these flags and <output-dir>'s checkpoint."""
-    return precision.autocast_dtype(args, CPU, is_main=True, recorded=checkpoint.recorded_precision(opts(args)))
+    path, state, _ = checkpoint.newest_readable(opts(args))
+    recorded = checkpoint.recorded_precision(opts(args), path, state)
+    return precision.autocast_dtype(args, CPU, is_main=True, recorded=recorded)
 
 
 def test_auto_on_resume_keeps_the_precision_the_checkpoint_trained_in(tmp_path, monkeypatch, capsys):

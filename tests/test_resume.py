@@ -10,7 +10,17 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from script_runs import ROOT, check, launcher, load_checkpoint, read_metrics, run, run_main, subprocess_env
+from script_runs import (
+    ROOT,
+    check,
+    launcher,
+    load_checkpoint,
+    read_metrics,
+    run,
+    run_main,
+    stop_handlers_undone,
+    subprocess_env,
+)
 from torch import nn
 
 from examples.local_processes import descendants
@@ -245,28 +255,17 @@ def test_a_silent_peer_fails_the_collective_within_the_timeout():
 
 def test_a_resuming_process_reads_its_checkpoint_once(tmp_path, monkeypatch):
     """The checks before the process group, the precision to train in and the resume itself all need the
-    checkpoint; a process reads the file once for the three (a ResNet-18 checkpoint is 90 MB)."""
-    model = nn.Linear(3, 2)
-    tiny_checkpoints(tmp_path, model).save(1)
+    checkpoint; a process reads the file once for the three (a ResNet-18 checkpoint is 90 MB), and keeps it no
+    longer than its resume."""
+    import safety_net
+    tiny_checkpoints(tmp_path, nn.Linear(3, 2)).save(1)
     reads, read = [], checkpoint._read
     monkeypatch.setattr(checkpoint, "_read", lambda path: reads.append(path) or read(path))
     options = checkpoint.Options(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1)
-    env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"))
-    checkpoint.check_before_start(options, "distributed.py")
-    assert checkpoint.recorded_precision(options) == ("float32", str(tmp_path / "checkpoint.pt"))
-    assert checkpoint.Checkpoint(options, env, "distributed.py", model=nn.Linear(3, 2)).resume() == (1, 0)
+    env = SimpleNamespace(is_main=True, world_size=1, device=torch.device("cpu"), rank=0)
+    with stop_handlers_undone(), safety_net.SafetyNet("distributed.py", options) as safety:
+        assert safety.recorded_precision() == ("float32", str(tmp_path / "checkpoint.pt"))
+        safety.env = env
+        assert safety.resume(steps_per_epoch=4, model=nn.Linear(3, 2)) == 1
+        assert safety.newest is None
     assert len(reads) == 1, reads
-    checkpoint.check_before_start(options, "distributed.py")  # after the resume the kept copy is gone: read again
-    assert len(reads) == 2
-
-
-def test_the_spawn_parent_keeps_no_checkpoint_after_its_checks(tmp_path):
-    """The parent of the spawned ranks reads the checkpoint to check it, then only waits: it keeps nothing."""
-    import safety_net
-    tiny_checkpoints(tmp_path, nn.Linear(3, 2)).save(1)
-    args = SimpleNamespace(output_dir=str(tmp_path), seed=0, batch_size=4, epochs=3, lr=0.1, keep=2, resume=None,
-                           restart=False, evaluate=False, init_from=None, save_every_steps=0, profile_steps=None)
-    safety_net._check_before_start(checkpoint.Options.from_flags(args), "distributed.py", None)  # for_flags' checks
-    assert checkpoint._last_read[1] is not None  # a rank keeps it for its resume
-    safety_net.SafetyNet.check_flags_before_spawn(args, "distributed.py")
-    assert checkpoint._last_read == (None, None)
