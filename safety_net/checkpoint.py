@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from safety_net.stop_errors import Diverged, StorageError
 from utils import collectives
@@ -53,11 +53,16 @@ class Unreadable(UsageError):
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside its wrappers (DDP, DataParallel, dataparallel.py's AutocastInForward: each keeps it
-    as .module), whose state_dict has no "module." prefix."""
-    while isinstance(model, (DistributedDataParallel, nn.DataParallel)) or getattr(model, "wraps_module", False):
+    """The model inside DataParallel and dataparallel.py's AutocastInForward (each keeps it as .module): torch's
+    get_model_state_dict looks through DDP, FSDP and torch.compile's wrapper, not through these."""
+    while isinstance(model, nn.DataParallel) or getattr(model, "wraps_module", False):
         model = model.module
     return model
+
+
+def model_state(model: nn.Module) -> dict:
+    """The weights keyed as the bare model's (no "module.", no "_orig_mod."); under FSDP this rank's shards."""
+    return get_model_state_dict(unwrap(model))
 
 
 @dataclass(frozen=True)
@@ -209,15 +214,6 @@ def load(path: str) -> dict:
     if not isinstance(state, dict) or state.get("arch") != ARCH or ("model" not in state and not sharded):
         raise UsageError(f"{path} is not a {ARCH} checkpoint of these scripts; it was left untouched")
     return state
-
-
-def load_weights(model: nn.Module, weights: dict, source: str) -> None:
-    """The weights into the model inside its wrappers; weights of another model are a UsageError naming `source`."""
-    try:
-        unwrap(model).load_state_dict(weights)
-    except RuntimeError as e:
-        first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
-        raise UsageError(f"{source} holds weights of another architecture ({first[:160]})") from None
 
 
 def weights_of(path: str) -> dict:
@@ -386,8 +382,11 @@ def lock_output_dir(output_dir: str) -> int:
 
 
 class Checkpoint:
-    """The checkpoints of one run in <output-dir>: save on rank 0, load on every rank. `precision` is the
-    autocast dtype the run trains in (None: float32), recorded so that a resume keeps it."""
+    """The checkpoints of one run in <output-dir>: save and restore, one path for every script; write() puts
+    them in one file on rank 0, sharded_checkpoint's in every rank's shards. `precision` is the autocast dtype
+    the run trains in (None: float32), recorded so that a resume keeps it."""
+
+    full_weights = None  # torch's StateDictOptions for whole weights (set_weights); FSDP's keep each rank's shard
 
     def __init__(self, options: Options, env, script: str, *, precision: torch.dtype | None = None, before_save=None,
                  **parts):
@@ -408,9 +407,18 @@ class Checkpoint:
         (`state`: that checkpoint as check_before_start read it; None: read now)."""
         self.set_weights((state or load(self.path))["model"], self.path)
 
+    def read_weights(self, path: str, source: str) -> None:
+        """The model's weights in the file `path` (weights_of): a checkpoint of any script, or a plain state_dict."""
+        self.set_weights(weights_of(path), source)
+
     def set_weights(self, weights: dict, source: str) -> None:
-        """Full weights into the model (whatever wraps it); weights of another model are a UsageError."""
-        load_weights(self.parts["model"], weights, source)
+        """Full weights, keyed as model_state's, into the model (whatever wraps it); weights of another model are
+        a UsageError naming `source`."""
+        try:  # a copy: torch renames the keys of the dict it is given, in place
+            set_model_state_dict(unwrap(self.parts["model"]), dict(weights), options=self.full_weights)
+        except (RuntimeError, KeyError, ValueError) as e:  # load_state_dict's second line names the keys
+            first = str(e).splitlines()[1].strip() if len(str(e).splitlines()) > 1 else str(e)
+            raise UsageError(f"{source} holds weights of another architecture ({first[:160]})") from None
 
     def hold_output_dir(self) -> None:
         """Rank 0 takes <output-dir>'s lock for the whole run; if another run holds it, every rank stops
@@ -454,16 +462,20 @@ class Checkpoint:
     def restore(self, state: dict, path: str) -> None:
         """Every part (model, optimizer, scheduler, scaler) from the checkpoint `state` read from `path`."""
         self.set_weights(state["model"], path)
+        self.restore_others(state, path)
+
+    def restore_others(self, state: dict, path: str) -> None:
+        """Every part but the model (optimizer, scheduler, scaler, ...) from `state`, read from `path`."""
         for name, part in self.parts.items():
             if name == "optimizer":
-                load_optimizer(part, state[name])
+                self.load_optimizer(state[name])
             elif name == "scaler":
                 load_scaler(part, state.get(name, {}), path)
             elif name != "model" and part is not None:
                 part.load_state_dict(state[name])
 
     def _start_from_weights(self, path: str) -> None:
-        self.set_weights(weights_of(path), f"--init-from {path}")
+        self.read_weights(path, f"--init-from {path}")
         if self.env.is_main:
             print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
 
@@ -478,21 +490,47 @@ class Checkpoint:
                     os.replace(path, f"{path}.{stamp}")
             print(f"--restart: starting afresh; the previous checkpoints and metrics are kept as *.{stamp}", flush=True)
 
+    def load_optimizer(self, saved: dict) -> None:
+        """The saved state (momentum buffers, learning rate), with the implementation of the optimizer as built
+        now: load_state_dict would bring back the saved foreach/fused settings, and a fused SGD built as not
+        fused would then meet a GradScaler that unscales for it."""
+        optimizer = self.parts["optimizer"]
+        built = [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
+        self.load_optimizer_state(saved)
+        for group, implementation in zip(optimizer.param_groups, built, strict=True):
+            group.update(implementation)
+
+    def load_optimizer_state(self, saved: dict) -> None:
+        """The optimizer's state_dict() as a one-file checkpoint holds it, parameters by index: torch's
+        get_optimizer_state_dict would key them by name, which the checkpoints written so far do not."""
+        self.parts["optimizer"].load_state_dict(saved)
+
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
-        """`epoch` epochs and `step` steps of the next one are done. Every rank calls it: weights that are
-        not finite raise Diverged on every rank (they are the same on all) and overwrite nothing; before_save()
-        runs on every rank; then rank 0 writes, and a failed write raises StorageError on every rank."""
-        weights = unwrap(self.parts["model"]).state_dict()
-        floats = [t for t in weights.values() if t.is_floating_point()]
-        if not torch.stack([torch.isfinite(t).all() for t in floats]).all().item():  # one device sync
+        """`epoch` epochs and `step` steps of the next one are done. Every rank calls it (collectives: the
+        weights checked finite on every rank, before_save, the write agreed): weights that are not finite on
+        any rank raise Diverged on every rank and overwrite nothing; then the checkpoint is written (write),
+        and a failed write on any rank raises StorageError on every rank."""
+        state = self.state_dicts()
+        local = [t.to_local() if hasattr(t, "to_local") else t for t in state["model"].values()]  # FSDP: shards
+        finite = torch.stack([torch.isfinite(t).all() for t in local if t.is_floating_point()]).all().item()
+        if not collectives.all_ok(finite, self.env.device):  # a pipeline's stages hold different weights
             raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
                            f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
         if self.before_save:
             self.before_save()
+        self.write(state, epoch, step, epoch_loss)
+
+    def state_dicts(self) -> dict:
+        """What save() checks and writes of the model: its weights, keyed as the bare model's."""
+        return {"model": model_state(self.parts["model"])}
+
+    def write(self, state: dict, epoch: int, step: int, epoch_loss: tuple[float, float]) -> None:
+        """Every rank (collective: rank 0's write agreed): rank 0 writes one file, the weights in `state` and
+        every other part's state_dict() (ZeRO-1's optimizer: consolidated on rank 0 by before_save)."""
         error = None
         if self.env.is_main:
             try:
-                save_atomic(self.state(weights, epoch, step, epoch_loss), self.path, self.options.keep)
+                save_atomic(self.state(state["model"], epoch, step, epoch_loss), self.path, self.options.keep)
             except StorageError as e:
                 error = e
         if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint
@@ -513,16 +551,6 @@ class Checkpoint:
                               "optimizer": {k: optimizer.param_groups[0].get(k) for k in IMPLEMENTATION_KEYS}
                               if optimizer else {}},
                     world_size=self.env.world_size, batch_size=self.options.batch_size)
-
-
-def load_optimizer(optimizer: torch.optim.Optimizer, saved: dict, load=None) -> None:
-    """The saved state (momentum buffers, learning rate), with the implementation of the optimizer as built
-    now: load_state_dict would bring back the saved foreach/fused settings, and a fused SGD built as not
-    fused would then meet a GradScaler that unscales for it. `load`: what loads it (optimizer.load_state_dict)."""
-    built = [{k: group[k] for k in IMPLEMENTATION_KEYS if k in group} for group in optimizer.param_groups]
-    (load or optimizer.load_state_dict)(saved)
-    for group, implementation in zip(optimizer.param_groups, built, strict=True):
-        group.update(implementation)
 
 
 def load_scaler(scaler: torch.amp.GradScaler, saved: dict, path: str) -> None:

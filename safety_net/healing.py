@@ -57,7 +57,7 @@ class HealingSafetyNet(SafetyNet):
         collective: torchft calls it from a thread of its own while the training loop waits for the quorum. A copy:
         the peer reads it while this group's next forward updates BatchNorm's statistics in place."""
         epoch, step = (self.progress.epoch, self.progress.step) if self.progress else self.start_at
-        weights = checkpoints.unwrap(self.checkpoint.parts["model"]).state_dict()
+        weights = checkpoints.model_state(self.checkpoint.parts["model"])
         return copy.deepcopy(self.checkpoint.state(weights, epoch, step, epoch_loss=(0.0, 0.0)))
 
     def take_state_from_a_peer(self, state: dict) -> None:

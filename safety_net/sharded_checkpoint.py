@@ -31,19 +31,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from safety_net import checkpoint, crash_report
-from safety_net.checkpoint import HEADER, Checkpoint, load, load_optimizer
-from safety_net.stop_errors import Diverged, StorageError
+from safety_net.checkpoint import HEADER, Checkpoint, load
+from safety_net.stop_errors import StorageError
 from utils import collectives
 from utils.errors import UsageError, exit_on_error, first_line
 
 FULL = StateDictOptions(full_state_dict=True)  # plain tensors keyed as the unsharded model's state_dict
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _fsync_tree(path: str) -> None:
@@ -56,28 +51,30 @@ class ShardedCheckpoint(Checkpoint):
     """Checkpoint's behaviour (lock, resume, --init-from, --keep, --restart, divergence and storage errors)
     with sharded checkpoints: every rank saves and loads its own shard of the model and optimizer."""
 
+    full_weights = FULL  # whole weights (--init-from, another script's checkpoint): each rank keeps its shard
     optimizer_options = None  # torch's default layout of the optimizer's state: its param_groups one list
 
     def state_dicts(self) -> dict:
+        """Every rank (collective: same_buffers_everywhere, before DCP picks one rank's copy of them to write): what
+        save() checks and writes, this rank's shards."""
+        self.same_buffers_everywhere()
+        return self.shards()
+
+    def shards(self) -> dict:
         """The model's and optimizer's state as this rank's shards (DTensors), keyed by parameter name."""
         model, optimizer = self.parts["model"], self.parts["optimizer"]
         return {"model": get_model_state_dict(model),
                 "optimizer": get_optimizer_state_dict(model, optimizer, options=self.optimizer_options)}
 
-    def set_weights(self, weights: dict, source: str) -> None:
-        """Full (unsharded) weights: each rank keeps its shard of them."""
-        try:
-            set_model_state_dict(self.parts["model"], weights, options=FULL)
-        except (RuntimeError, KeyError, ValueError) as e:
-            raise UsageError(f"{source} holds weights of another architecture ({first_line(e)})") from None
-
     def load_weights(self, state: dict | None = None) -> None:
         """For --evaluate: the weights of <output-dir>/checkpoint.dcp, each rank reading its shard (`state`, its
         header, is not needed)."""
-        self._read_weights(self.path, self.path)
+        self.read_weights(self.path, self.path)
 
-    def _read_weights(self, path: str, source: str) -> None:
-        """Only the model's weights from the sharded checkpoint `path`, each rank reading its shard."""
+    def read_weights(self, path: str, source: str) -> None:
+        """The model's weights in `path`: of a sharded checkpoint (a directory), each rank reads its shard."""
+        if not os.path.isdir(path):
+            return super().read_weights(path, source)
         load(path)
         model = self.parts["model"]
         weights = get_model_state_dict(model)
@@ -98,39 +95,23 @@ class ShardedCheckpoint(Checkpoint):
         if "model" in state:
             raise UsageError(f"{path} is a single-file checkpoint; {self.script} continues from a sharded "
                              "one (a directory), or starts a new run from these weights with --init-from")
-        model, optimizer = self.parts["model"], self.parts["optimizer"]
-        shards = self.state_dicts()
+        shards = self.shards()
         self._read_shards(shards, path)
-        set_model_state_dict(model, shards["model"])
-        load_optimizer(optimizer, shards["optimizer"],
-                       load=lambda saved: set_optimizer_state_dict(model, optimizer, saved,
-                                                                   options=self.optimizer_options))
-        for name, part in self.parts.items():
-            if name not in ("model", "optimizer") and part is not None:
-                part.load_state_dict(state[name])
+        set_model_state_dict(self.parts["model"], shards["model"])  # this rank's shards as read: no full_weights
+        self.restore_others({**state, "optimizer": shards["optimizer"]}, path)
 
-    def _start_from_weights(self, path: str) -> None:
-        if not os.path.isdir(path):
-            return super()._start_from_weights(path)
-        self._read_weights(path, f"--init-from {path}")
-        if self.env.is_main:
-            print(f"starting a new run from the weights in {path} (a fresh optimizer and schedule)", flush=True)
+    def load_optimizer_state(self, saved: dict) -> None:
+        """The optimizer's state keyed by parameter name, as DCP read this rank's shard of it."""
+        set_optimizer_state_dict(self.parts["model"], self.parts["optimizer"], saved, options=self.optimizer_options)
 
-    def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
-        """Every rank writes its shard into checkpoint.dcp.tmp, rank 0 the header, then rank 0 renames it
-        to checkpoint.dcp. Weights that are not finite on any rank raise Diverged on every rank and
-        overwrite nothing; a failed write on any rank raises StorageError on every rank."""
-        self.same_buffers_everywhere()
-        shards = self.state_dicts()
-        floats = [_local(t) for t in shards["model"].values() if t.is_floating_point()]
-        finite = bool(torch.stack([torch.isfinite(t).all() for t in floats]).all().item())
-        if not collectives.all_ok(finite, self.env.device):
-            raise Diverged(f"the weights are not finite at epoch {epoch + 1 if step else epoch}, step {step}: the run "
-                           f"diverged; try a lower --lr than {self.options.lr:g}. {self.path} was not overwritten")
+    def write(self, state: dict, epoch: int, step: int, epoch_loss: tuple[float, float]) -> None:
+        """Every rank (collectives: DCP's, and the write agreed) writes its shard into checkpoint.dcp.tmp, rank 0
+        the header, then rank 0 renames it to checkpoint.dcp. A failed write on any rank raises StorageError on
+        every rank."""
         tmp = f"{self.path}.tmp"
         error = None
         try:
-            dcp.save(shards, checkpoint_id=tmp)  # each rank its own file; rank 0 then writes .metadata
+            dcp.save(state, checkpoint_id=tmp)  # each rank its own file; rank 0 then writes .metadata
         except CheckpointException as e:  # raised on every rank when any rank's write failed
             error = e
         if error is None and self.env.is_main:
@@ -146,7 +127,7 @@ class ShardedCheckpoint(Checkpoint):
         if not collectives.all_ok(error is None, self.env.device):  # no rank trains on without a checkpoint
             if self.env.is_main:
                 shutil.rmtree(tmp, ignore_errors=True)
-            raise self._storage_error(error, shards)
+            raise self._storage_error(error, state)
 
     def same_buffers_everywhere(self) -> None:
         """Every rank (collective: a broadcast per buffer): the BatchNorm statistics, which are not sharded and which
@@ -175,6 +156,7 @@ class PipelineCheckpoint(ShardedCheckpoint):
 
     def set_weights(self, weights: dict, source: str) -> None:
         """Full weights (another script's checkpoint, --init-from): this stage keeps those of its own layers."""
+        # by hand: torch's set_model_state_dict is strict over all keys (the other stages' too) or over none
         own = self.parts["model"].state_dict().keys()
         missing = [key for key in own if key not in weights]
         if missing:

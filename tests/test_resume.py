@@ -207,7 +207,8 @@ def test_truncated_and_foreign_checkpoints_are_refused_untouched(reference, tmp_
     torch.save({**load_checkpoint(reference), "model": nn.Linear(3, 2).state_dict()}, other_arch)
     from utils.models import resnet18_cifar
     with pytest.raises(UsageError, match="another architecture"):
-        checkpoint.load_weights(resnet18_cifar(), checkpoint.load(str(other_arch))["model"], str(other_arch))
+        tiny_checkpoints(tmp_path, resnet18_cifar()).set_weights(checkpoint.load(str(other_arch))["model"],
+                                                                 str(other_arch))
 
     foreign = tmp_path / "foreign.pt"
     torch.save({"state_dict": {}}, foreign)
