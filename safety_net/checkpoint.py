@@ -1,15 +1,16 @@
 """A run's checkpoints in <output-dir>: written atomically by rank 0, the newest --keep of them kept, read
 with weights_only=True; and the lock that lets one run at a time use an output directory.
 
-A checkpoint holds the weights (without DDP's "module." prefix), optimizer (distributed_zero.py's
-ZeroRedundancyOptimizer: its shards gathered on rank 0 first, by the script's before_save, so any world size can
-resume it), scheduler and, where there is one, the GradScaler, with the epoch and step reached, the flags that
-define the run, and what the run resolved them to (the precision it trained in, the optimizer's implementation). It
-holds no RNG state because none is needed: the data order and the augmentation are functions of (--seed, epoch,
-index) (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
+A checkpoint holds the weights (torch's get_model_state_dict: without DDP's "module." prefix), optimizer
+(distributed_zero.py's ZeroRedundancyOptimizer: its shards gathered on rank 0 first, by the script's before_save, so
+any world size can resume it), scheduler and, where there is one, the GradScaler, with the epoch and step reached,
+the flags that define the run, and what the run resolved them to (the precision it trained in, the optimizer's
+implementation). It holds no RNG state because none is needed: the data order and the augmentation are functions
+of (--seed, epoch, index) (utils/data.py). checkpoint.pt is the newest; checkpoint.1.pt the one before, and so on.
 
 distributed_fsdp.py writes sharded checkpoints instead: directories checkpoint.dcp, checkpoint.1.dcp, ...
-(safety_net/sharded_checkpoint.py). Finding, locking, checking and keeping them is the same, and lives here.
+(safety_net/sharded_checkpoint.py: its write and reads). Finding, locking, checking, keeping, saving and
+restoring them is the same, and lives here.
 """
 import contextlib
 import fcntl
@@ -506,10 +507,9 @@ class Checkpoint:
         self.parts["optimizer"].load_state_dict(saved)
 
     def save(self, epoch: int, step: int = 0, epoch_loss: tuple[float, float] = (0.0, 0.0)) -> None:
-        """`epoch` epochs and `step` steps of the next one are done. Every rank calls it (collectives: the
-        weights checked finite on every rank, before_save, the write agreed): weights that are not finite on
-        any rank raise Diverged on every rank and overwrite nothing; then the checkpoint is written (write),
-        and a failed write on any rank raises StorageError on every rank."""
+        """`epoch` epochs and `step` steps of the next one are done. Every rank calls it (collectives: the weights
+        checked finite on every rank, before_save, write's): weights that are not finite on any rank raise Diverged
+        on every rank and overwrite nothing; a failed write on any rank raises StorageError on every rank."""
         state = self.state_dicts()
         local = [t.to_local() if hasattr(t, "to_local") else t for t in state["model"].values()]  # FSDP: shards
         finite = torch.stack([torch.isfinite(t).all() for t in local if t.is_floating_point()]).all().item()
