@@ -161,6 +161,7 @@ def test_a_bad_flag_under_torchrun_is_said_once_even_when_local_rank_0_parses_la
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # the spawn launcher's ranks, which the slow mark is for (it was the one quick test that starts them)
 def test_cifar100_absent_says_where_and_what_to_do(tmp_path):
     """Found by the spawned ranks after they met (utils.data.prepare agrees on it in a collective): every rank
     exits at once, as its line is said, none waits for local rank 0 as before a rendezvous (30 s)."""
