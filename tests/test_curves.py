@@ -8,6 +8,7 @@ from safety_net.metrics_log import MetricsLog
 from tools import plot
 
 
+@pytest.mark.slow  # a run of its own (10 s of the quick subset, which stays under 2 minutes)
 def test_tensorboard_events_hold_the_metrics_and_the_training_loss(tmp_path):
     pytest.importorskip("tensorboard")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

@@ -125,6 +125,7 @@ def test_timeline_of_a_folder_without_traces_is_one_line(tmp_path, capsys):
     assert_one_line_error(result, "holds no profile/rank0.json")
 
 
+@pytest.mark.slow  # the full suite's shared run (test_end_to_end.py's): in the quick subset this test alone made it
 def test_a_run_without_the_flag_records_nothing(runs):
     out = runs("one-process", "python", "distributed.py")  # test_end_to_end.py's run, made once for all workers
     assert not (out / "profile").exists()

@@ -71,11 +71,12 @@ RUNS = {  # name: script, world size, model (distributed_helpers.MODELS), its ow
 SAME_AS_ONE_PROCESS = [name for name, (script, _, model, flags) in RUNS.items() if model == "float64" and not (
     name == "one process" or script == "distributed_pipeline.py" or "--grad-accu-steps" in flags
     or "--no-sync-bn" in flags or name == "live recovery, 2 groups of 1 rank")]  # the last two: BatchNorm per share
-# 6 processes, 3 more stages, and live recovery (its lighthouse, 2 runs of 2 processes, and their reference): in the
-# full suite only
+# 6 processes, 3 more stages, live recovery (its lighthouse, 2 runs of 2 processes, and their reference), and the two
+# scripts whose training lines are distributed.py's under another launcher or flag (spawn's, --opt-level O0): in the
+# full suite only, so that the quick subset stays under 2 minutes
 SLOW = {"pipeline, 2 replicas of 2 stages", "2 micro-batches on 2 ranks", "pipeline, GPipe on 3 stages",
         "live recovery, 1 group of 2 ranks", "live recovery, 2 groups of 1 rank",
-        "distributed.py on 2 ranks, no SyncBatchNorm"}
+        "distributed.py on 2 ranks, no SyncBatchNorm", "distributed_mp.py on 2 ranks", "distributed_apex.py on 2 ranks"}
 # float64 in two summation orders (world sizes) after 4 steps: about 1e-7 apart at most here; a changed line (no
 # SyncBatchNorm, another rate, a sample counted twice) moves them by 1e-3 or more
 RTOL, ATOL = 1e-6, 1e-9
