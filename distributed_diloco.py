@@ -6,6 +6,7 @@ CIFAR-100. No gradient crosses the network between rounds: 1/H of DDP's all-redu
     python distributed_diloco.py                                                    # a world of one: rounds of one
 """
 import copy
+import functools
 import sys
 
 import torch
@@ -18,6 +19,7 @@ from safety_net import SafetyNet
 from speed import techniques
 from utils import data, flags, launch, metrics, models
 from utils.errors import UsageError
+from utils.in_flight import InFlight
 
 
 def parse_args(argv=None):
@@ -29,6 +31,10 @@ def parse_args(argv=None):
     diloco.add_argument("--outer-lr", type=flags.positive_float, default=0.7, help="the outer SGD's rate (paper: 0.7)")
     diloco.add_argument("--outer-momentum", type=flags.non_negative_float, default=0.9,
                         help="the outer SGD's Nesterov momentum (paper: 0.9; 0: plain SGD)")
+    diloco.add_argument("--overlap-round", action="store_true",
+                        help="leave a round's all-reduce running through the next round's steps and apply its outer "
+                             "step one round late (arXiv 2502.12996's delayed outer gradients); each epoch's last "
+                             "round waits")
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser, sync_bn=False)  # --device, --backend, --dist-timeout (BatchNorm per rank, below)
@@ -56,34 +62,48 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_nor
         grad_norm = nn.utils.clip_grad_norm_(model.parameters(), max_norm) if max_norm else None
         optimizer.step()  # the inner step: this rank's weights move on alone
         if step % sync_every == 0 or step == steps:  # the epoch ends a round: its evaluation sees the agreed weights
-            end_round()
+            end_round(epoch_ends=step == steps)
         if step > replayed and safety.step_done(loss, grad_norm):  # every rank, each step; True: all ranks stop
             return
 
 
 @torch.no_grad()
-def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size):
+def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, late=None, epoch_ends=False):
     """Every rank (collective: one all-reduce): the round's pseudo-gradients averaged and BatchNorm's running
-    statistics with them, the outer optimizer's step from the round's start, which every rank continues from."""
+    statistics with them, the outer optimizer's step from the round's start, which every rank continues from.
+    late (--overlap-round, a utils.in_flight.InFlight): this round's all-reduce is left running through the next round's
+    steps, and the outer step applies the round before's mean instead, one round late."""
     starts, weights = list(outer_model.parameters()), list(model.parameters())
     # BatchNorm's running mean and variance, each rank's from its own batches: averaged too, since evaluation
     # normalises by them (torchft's DiLoCo averages parameters only: transformers' LayerNorm keeps no statistics)
-    statistics = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
+    statistics = floating(model.buffers())
     # the pseudo-gradient: how far this rank's inner steps moved each weight from the round's start (a step's
     # direction, as a gradient is), all of it and the statistics in one message: the round's one all-reduce
     message = torch.cat([(start - now).flatten() for start, now in zip(starts, weights, strict=True)] +
                         [buffer.flatten() for buffer in statistics])
-    dist.all_reduce(message)  # summed over the ranks (gloo has no average), then divided: their mean
-    message /= world_size
-    averaged = message.split([t.numel() for t in starts + statistics])
-    for start, grad in zip(starts, averaged, strict=False):
-        start.grad = grad.view_as(start)
-    outer_optimizer.step()  # the round's start moves: SGD with Nesterov momentum on the averaged pseudo-gradient
-    for buffer, mean in zip(statistics, averaged[len(starts):], strict=True):
-        buffer.copy_(mean.view_as(buffer))
+    if late is None:
+        dist.all_reduce(message)  # summed over the ranks (gloo has no average), then divided: their mean
+        means = [message / world_size]
+    else:  # --overlap-round: the round before's mean now; this round's all-reduce runs on through the next round
+        means = [late.take()]
+        late.put(dist.all_reduce(message, async_op=True), message, world_size)
+        if epoch_ends:  # the epoch's last round waits for its own too: the evaluation and checkpoint see every round
+            means.append(late.take())
+    for mean in filter(lambda mean: mean is not None, means):  # (the run's first round has no round before)
+        averaged = mean.split([t.numel() for t in starts + statistics])
+        for start, grad in zip(starts, averaged, strict=False):
+            start.grad = grad.view_as(start)
+        outer_optimizer.step()  # the round's start moves: SGD with Nesterov momentum on the averaged pseudo-gradient
+        for buffer, value in zip(floating(outer_model.buffers()), averaged[len(starts):], strict=True):
+            buffer.copy_(value.view_as(buffer))  # the round's start holds the averaged statistics
     for start, buffer in zip(outer_model.buffers(), model.buffers(), strict=True):
-        start.copy_(buffer)  # the round's start holds the averaged statistics (and the count of batches: the same)
+        if not buffer.is_floating_point():
+            start.copy_(buffer)  # and the count of batches (the same on every rank)
     start_round(model, outer_model, inner_optimizer)
+
+
+def floating(buffers) -> list:
+    return [buffer for buffer in buffers if buffer.is_floating_point()]
 
 
 @torch.no_grad()
@@ -132,13 +152,15 @@ def train(args, env, safety):
 
     # every rank: continue from <output-dir>'s checkpoint if there is one (the round's start and the outer momentum as
     # model and outer_optimizer; the inner optimizer for its rate: its momentum is dropped at each round's start)
+    late = InFlight() if args.overlap_round else None  # --overlap-round: the round whose all-reduce runs
     start_epoch = safety.resume(model=outer_model, optimizer=optimizer, outer_optimizer=outer_optimizer,
-                                scheduler=scheduler, steps_per_epoch=len(train_loader))
+                                scheduler=scheduler, round_in_flight=late, steps_per_epoch=len(train_loader))
     if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
         safety.write_eval(metrics.evaluate(outer_model, test_loader, env.device))
         return
     start_round(model, outer_model, optimizer)
-    steps, end = len(train_loader), lambda: end_round(model, outer_model, outer_optimizer, optimizer, env.world_size)
+    steps, end = len(train_loader), functools.partial(end_round, model, outer_model, outer_optimizer, optimizer,
+                                                      env.world_size, late)
     for epoch in range(start_epoch, args.epochs):
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         first = start_step if start_step == steps else start_step - start_step % args.sync_every  # its round's start

@@ -23,6 +23,7 @@ gets SIGTERM, which torchrun passes to its ranks, and whatever of it still runs 
 (benchmarks.run's run_stoppable, which also ends a run past --run-timeout).
 """
 import copy
+import functools
 import json
 import shlex
 import sys
@@ -89,8 +90,8 @@ def count(rank: int, world_size: int, sync_every: int | None, steps: int, batch:
         with counted:
             distributed_diloco.train_one_epoch(
                 model, nn.CrossEntropyLoss(), optimizer, loader, CPU, NoStop(), sync_every=sync_every, steps=steps,
-                end_round=lambda: distributed_diloco.end_round(model, outer_model, outer_optimizer, optimizer,
-                                                               world_size))
+                end_round=functools.partial(distributed_diloco.end_round, model, outer_model, outer_optimizer,
+                                            optimizer, world_size))
     return {"all_reduces": counted.calls.get("all_reduce", 0), "bytes": counted.bytes.get("all_reduce", 0),
             "other": {k: v for k, v in counted.calls.items() if k != "all_reduce"}, "steps": steps,
             "all_reduces_per_step": per_step}

@@ -44,7 +44,7 @@ LOCKNAME = "run.lock"
 # compared as the run resolved it (precision.autocast_dtype), the other flags may change (docs/fault_tolerance.md).
 RUN_FLAGS = ("seed", "batch_size", "epochs", "lr", "warmup_epochs", "momentum", "weight_decay", "dataset",
              "train_samples", "no_augment", "no_sync_bn", "grad_accu_steps", "microbatches", "clip_grad_norm",
-             "init_from", "sync_every", "outer_lr", "outer_momentum")
+             "init_from", "sync_every", "outer_lr", "outer_momentum", "overlap_round")
 # optimizer settings that pick an implementation of the same update: the flag given now is the one in force
 IMPLEMENTATION_KEYS = ("foreach", "fused")
 
@@ -473,6 +473,8 @@ class Checkpoint:
             elif name == "scaler":
                 load_scaler(part, state.get(name, {}), path)
             elif name != "model" and part is not None:
+                if name not in state:  # a part this start asks for and the checkpoint's run did not have
+                    raise UsageError(f"{path} holds no {name}; continue it with the flags it was written with")
                 part.load_state_dict(state[name])
 
     def _start_from_weights(self, path: str) -> None:

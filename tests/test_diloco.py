@@ -40,6 +40,10 @@ RUNS = {  # name: script, its own flags
     "H = 3": ("distributed_diloco.py", ["--sync-every", "3", "--weight-decay", "5e-4"]),
     # torchft's DiLoCo keeps the inner momentum across rounds and counts rounds across epochs: none, and H divides 4
     "H = 2, no inner momentum": ("distributed_diloco.py", ["--sync-every", "2", "--momentum", "0"]),
+    # 6 steps an epoch in rounds of 2: the first steps with nothing, the second with the first's mean, the epoch's
+    # last with the second's and its own
+    "H = 2, overlapped": ("distributed_diloco.py", ["--sync-every", "2", "--train-samples", "72", "--weight-decay",
+                                                    "5e-4", "--overlap-round"]),
 }
 RTOL, ATOL = 1e-6, 1e-9  # float64 in two summation orders: about 1e-7 apart here; a changed line moves 1e-3 or more
 STATISTICS = ("running_mean", "running_var")
@@ -98,7 +102,10 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
     """DiLoCo in one process, written from the paper with torch's parts: `workers` copies of the model take turns
     at their inner steps; at each round's end (every H steps and the epoch's last) the mean of their pseudo-gradients
     (round's start - now) is the outer SGD's gradient, BatchNorm's statistics are averaged, and each worker restarts
-    from the new round's start with no inner momentum. Returns the round's start and the outer optimizer."""
+    from the new round's start with no inner momentum. With --overlap-round, the delayed outer gradients of arXiv
+    2502.12996: a round's end steps with the mean of the round before (the run's first round steps with none), so
+    the next round starts from weights that lack the round just ended; an epoch's last round then steps with its own
+    mean too. Returns the round's start and the outer optimizer."""
     args = script.parse_args(ARGS + flags)
     classes = data.num_classes(data.load(args, train=True))
     torch.manual_seed(args.seed)  # after the data, as in the script
@@ -106,6 +113,7 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
     outer = torch.optim.SGD(start.parameters(), lr=args.outer_lr, momentum=args.outer_momentum,
                             nesterov=args.outer_momentum > 0)
     ranks = [copy.deepcopy(start) for _ in range(workers)]
+    before = None  # --overlap-round: the round before's mean pseudo-gradients and statistics, not yet stepped with
     inner = [torch.optim.SGD(m.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
              for m in ranks]
     schedules = [torch.optim.lr_scheduler.CosineAnnealingLR(o, T_max=args.epochs) for o in inner]
@@ -117,11 +125,24 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
             if step % args.sync_every and step != len(dealt[0]):
                 continue
             with torch.no_grad():
-                for p, *now in zip(start.parameters(), *[m.parameters() for m in ranks], strict=True):
-                    p.grad = sum(p - q for q in now) / workers
-                outer.step()
+                mean = ([sum(p - q for q in now) / workers for p, *now in zip(
+                            start.parameters(), *[m.parameters() for m in ranks], strict=True)],
+                        [sum(now) / workers for b, *now in zip(
+                            start.buffers(), *[m.buffers() for m in ranks], strict=True) if b.is_floating_point()])
+                means = [mean]
+                if args.overlap_round:  # the round before's mean; this one's at the next round's end
+                    means, before = [before], mean
+                    if step == len(dealt[0]):  # the epoch's last round: its own too, nothing left over
+                        means, before = [*means, mean], None
+                for grads, statistics in filter(None, means):
+                    for p, grad in zip(start.parameters(), grads, strict=True):
+                        p.grad = grad
+                    outer.step()
+                    for b, value in zip([b for b in start.buffers() if b.is_floating_point()], statistics, strict=True):
+                        b.copy_(value)
                 for b, *now in zip(start.buffers(), *[m.buffers() for m in ranks], strict=True):
-                    b.copy_(sum(now) / workers if b.is_floating_point() else now[0])
+                    if not b.is_floating_point():
+                        b.copy_(now[0])
             for m, o in zip(ranks, inner, strict=True):
                 m.load_state_dict(start.state_dict())
                 o.state.clear()
@@ -150,6 +171,23 @@ def test_any_h_is_one_process_of_workers_taking_turns(made):
         torch.testing.assert_close(saved["outer_optimizer"]["state"][index]["momentum_buffer"],
                                    state["momentum_buffer"], rtol=RTOL, atol=ATOL, msg=f"outer momentum {index}")
     assert not saved["optimizer"]["state"], "the epoch's last round drops the inner momentum"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_overlapped_round_is_one_process_stepping_one_round_late(made):
+    """--overlap-round at H = 2: the round's start and outer momentum the script saved are those of the one-process
+    simulation of the delayed outer gradients, and not those of DiLoCo without the delay (the test can fail)."""
+    saved = made("H = 2, overlapped")
+    start, outer = simulate(RUNS["H = 2, overlapped"][1])
+    assert_close(saved["model"], start.state_dict(), "H = 2, overlapped")
+    for index, state in outer.state_dict()["state"].items():
+        torch.testing.assert_close(saved["outer_optimizer"]["state"][index]["momentum_buffer"],
+                                   state["momentum_buffer"], rtol=RTOL, atol=ATOL, msg=f"outer momentum {index}")
+    assert not saved["round_in_flight"], "the epoch's last round leaves no all-reduce in flight"
+    undelayed, _ = simulate([flag for flag in RUNS["H = 2, overlapped"][1] if flag != "--overlap-round"])
+    moved = (undelayed.state_dict()["conv1.weight"] - saved["model"]["conv1.weight"]).abs().max()
+    assert float(moved) > 1e-4, "the delay changed nothing: the comparison above could not fail"
 
 
 @pytest.mark.slow
@@ -274,23 +312,28 @@ def test_a_round_sends_one_all_reduce_of_ddps_bytes_so_h_steps_send_1_over_h(tmp
 
 @pytest.mark.slow
 @pytest.mark.timeout(420)
-def test_ctrl_c_mid_round_then_the_same_command_continues_bit_for_bit(tmp_path):
-    """2 CPU ranks under torchrun, float32, rounds of 4 steps in an epoch of 6: Ctrl-C at step 2 stops both ranks
+@pytest.mark.parametrize(("rounds", "stop_at", "before"), [(["--sync-every", "4"], 2, 4),
+                                                           (["--sync-every", "2", "--overlap-round"], 3, 6)],
+                         ids=["rounds of 4", "rounds of 2 overlapped"])
+def test_ctrl_c_mid_round_then_the_same_command_continues_bit_for_bit(rounds, stop_at, before, tmp_path):
+    """2 CPU ranks under torchrun, float32, an epoch of 6 steps: Ctrl-C at step 2 of a round of 4 stops both ranks
     mid-round with a checkpoint of the round's start; the same command replays the round's steps and ends on the
-    weights, statistics and outer momentum of the run never stopped, bit for bit. One process evaluates that
-    checkpoint exactly, and continues the stopped one (at another world size: its rounds of one worker)."""
-    flags = TINY + ["--train-samples", "96", "--sync-every", "4"]
+    weights, statistics and outer momentum of the run never stopped, bit for bit. So does Ctrl-C at step 3 of rounds of
+    2 with --overlap-round, a round's all-reduce not yet stepped with (the checkpoint holds its mean). One
+    process evaluates the checkpoint exactly, and continues the stopped one (at another world size: one worker)."""
+    flags = TINY + ["--train-samples", "96", *rounds]
     cmd = launcher("torchrun", "distributed_diloco.py") + flags
     never = tmp_path / "never-stopped"
     check(run(cmd + ["--output-dir", str(never)]))
     stopped = tmp_path / "stopped"
     started = Run(cmd + ["--output-dir", str(stopped)])
-    started.wait_for("epoch 1/1 step 2/6")
+    started.wait_for(f"epoch 1/1 step {stop_at}/6")
     os.kill(started.proc.pid, signal.SIGINT)
     status, seconds = started.finish()  # seconds from the signal: torchrun's SIGKILL comes 30 s after its SIGTERM
     assert status != 0 and seconds < 30 and "stopped by SIGINT at epoch 1, step" in started.text, started.output
     halfway = torch.load(stopped / "checkpoint.pt", weights_only=True)
-    assert 2 <= halfway["step"] < 4, halfway["step"]  # within the first round
+    assert stop_at <= halfway["step"] < before, halfway["step"]  # within the first round; the second (overlapped)
+    assert bool(halfway.get("round_in_flight")) == ("--overlap-round" in rounds)  # a round's mean not yet stepped with
     shutil.copytree(stopped, tmp_path / "on-one-process", ignore=shutil.ignore_patterns("run.lock"))
     again = check(run(cmd + ["--output-dir", str(stopped)]))
     assert f"resuming from {stopped / 'checkpoint.pt'}: epoch 1, step {halfway['step']}" in again.stdout, again.stdout
