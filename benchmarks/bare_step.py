@@ -30,8 +30,10 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, compile_mode=None) -> dict:
-    """images/s of `steps` training steps after `warmup` untimed ones (which, compiled, do the compiling)."""
+def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, compile_mode=None, phases=False) -> dict:
+    """images/s of `steps` training steps after `warmup` untimed ones (which, compiled, do the compiling); with
+    `phases`, also the seconds per step of its three (on a GPU each then ends in a synchronize, to time it): the
+    forward with the loss, the backward, and the optimizer's step with zero_grad."""
     torch.manual_seed(0)
     model = models.resnet18_cifar().to(device)
     if compile_mode:
@@ -41,18 +43,34 @@ def bare_step_rate(device, batch_size, steps, warmup, amp_dtype=None, compile_mo
     images = torch.randn(batch_size, 3, 32, 32, device=device)
     targets = torch.randint(0, NUM_CLASSES, (batch_size,), device=device)
     model.train()
+    times = {"forward_s": 0.0, "backward_s": 0.0, "optimizer_s": 0.0}
+
+    def ended(phase: str, since: float) -> float:  # with `phases`, the phase's time added once the warm-up is over
+        if not phases:
+            return since
+        synchronize(device)
+        now = time.perf_counter()
+        if step >= warmup:
+            times[phase] += now - since
+        return now
+
     for step in range(warmup + steps):
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
+        began = time.perf_counter()
         with torch.autocast(device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
             loss = criterion(model(images), targets)
-        optimizer.zero_grad(set_to_none=True)
+        began = ended("forward_s", began)
         loss.backward()
+        began = ended("backward_s", began)
         optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ended("optimizer_s", began)
     synchronize(device)
     seconds = time.perf_counter() - start
-    return {"images_per_s": steps * batch_size / seconds, "peak_memory_mb": peak_memory_mb(device)}
+    return {"images_per_s": steps * batch_size / seconds, "peak_memory_mb": peak_memory_mb(device),
+            **({phase: total / steps for phase, total in times.items()} if phases else {})}
 
 
 def _rate(work, flops: float, device: torch.device, seconds: float) -> float:
@@ -106,6 +124,9 @@ def main(argv=None):
     parser.add_argument("--compile", choices=["default", "reduce-overhead"], default=None,
                         help="torch.compile the model in this mode (reduce-overhead: CUDA graphs, GPUs only); "
                              "the warm-up steps compile it")
+    parser.add_argument("--phases", action="store_true",
+                        help="also time the forward, the backward and the optimizer's step (on a GPU: a "
+                             "synchronize after each)")
     parser.add_argument("--peak", choices=list(DTYPES), default=None,
                         help="instead: measure the TFLOP/s of large matrix products and convolutions in this dtype")
     args = parser.parse_args(argv)
@@ -121,7 +142,7 @@ def main(argv=None):
         result = device_peak(device, DTYPES[args.peak])
     else:
         result = bare_step_rate(device, args.batch_size, args.steps, args.warmup,
-                                DTYPES[args.amp_dtype] if args.amp_dtype else None, args.compile)
+                                DTYPES[args.amp_dtype] if args.amp_dtype else None, args.compile, args.phases)
     print(json.dumps(result), flush=True)
 
 

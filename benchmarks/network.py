@@ -18,16 +18,20 @@ and no start-up. As each line arrives, this program reads how many bytes each ho
 (/proc/<launcher pid>/net/dev, in the host's namespace): the bytes of the timed steps.
 
 At the first (fastest) rate each row also runs a third epoch and records steps 3 to --steps + 3 with --profile-steps:
-the collectives of the last of them (the second epoch's second step), read from the traces as tools/timeline.py
-reads them, and the bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters.
-There the timed steps are those after the recorded ones, each epoch's first left out: the second epoch's last
---steps - 1 and the third epoch's last --steps (7 with the default 4). Compute alone is the bare step
-(benchmarks/bare_step.py: the same per-rank batch, no process group), one process pinned on each host's core, both at
-once; the floor a rate sets is max(compute alone, bytes the busier host sends per step / rate), and step / floor is
-what each row is judged by. Then a --profile-steps timeline of DDP at the rate where its bytes take as long as its
-backward (tools.timeline's lanes, into timeline.png), and what each gradient compression costs in learning: the
-loss after the same steps on the learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this
-machine, unshaped: the loss does not depend on the link).
+the collectives of the last of them (the second epoch's second step), read from the traces as tools/timeline.py reads
+them, and the bytes they make each host send (by how gloo runs them for 2 ranks), to set beside the counters. There the
+timed steps are those after the recorded ones, each epoch's first left out: the second epoch's last --steps - 1 and the
+third epoch's last --steps (7 with the default 4). Compute alone is the bare step (benchmarks/bare_step.py --phases: the
+same per-rank batch, no process group, its forward, backward and optimizer's step timed apart), one process pinned on
+each host's core, both at once. The link's limit at a rate is max(compute alone, the bytes the busier host sends per
+step / rate); each row's floor counts what cannot overlap (floor_s): where its all-reduces hide only behind the backward
+(DDP), the forward and the optimizer's step are added to the longer of the backward and the bytes' time; where nothing
+hides them (one bucket after the backward, DiLoCo's round), compute alone and the bytes' time add up. Step / floor is
+what each row is judged by. The DiLoCo rows run one epoch of 2H + 1 steps and are timed over their second round
+(timed_round): the mean step of a whole round, its all-reduce included. Then a --profile-steps timeline of DDP at the
+rate where its bytes take as long as its backward (tools.timeline's lanes, into timeline.png), and what each compression
+and DiLoCo row costs in learning: the loss after the same steps on the learnable synthetic set, beside DDP's and DDP's
+with another seed (two ranks on this machine, unshaped: the loss does not depend on the link).
 
 Writes <output-dir>/network.md (the tables), network.json and network.png (step time against rate); the tables after
 every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP) keeps the rows it measured, marked unfinished. Nothing is left
@@ -75,6 +79,7 @@ TIMELINE_ROW = "DDP"  # the row drawn at the rate where its communication takes 
 # share of DDP's; within it, "the same". A fixed margin, chosen: network.json keeps each run's median step, not the
 # spread of its few timed steps, so the noise cannot be measured from it
 SAME_WITHIN = 0.03
+PHASES = ("forward_s", "backward_s", "optimizer_s")  # compute alone's, timed apart (bare_step --phases)
 
 
 def rows() -> list[harness.Row]:
@@ -96,7 +101,32 @@ def rows() -> list[harness.Row]:
         # HSDP across the two hosts: 2 replicas of one shard each (a machine of one rank has nothing to shard over)
         row("HSDP (2 replicas of 1 shard)", "distributed_fsdp.py", "--opt-level", "O0", "--replicas", "2"),
         row("Pipeline (2 stages, 1F1B, 4 micro-batches)", "distributed_pipeline.py"),
+        # a round every H steps: one epoch of 2H + 1 steps, timed over the second round (timed_round)
+        row("DiLoCo (H=16)", "distributed_diloco.py", "--sync-every", "16"),
+        row("DiLoCo (H=64)", "distributed_diloco.py", "--sync-every", "64", full_only=True),
+        row("DiLoCo (H=16), round overlapped", "distributed_diloco.py", "--sync-every", "16", "--overlap-round"),
     ]
+
+
+def sync_every(row: harness.Row) -> int | None:
+    """A DiLoCo row's H (its --sync-every); None for the others."""
+    return int(row.flags[row.flags.index("--sync-every") + 1]) if row.script == "distributed_diloco.py" else None
+
+
+def floor_kind(name: str) -> str:
+    """Which floor applies to the row `name` (floor_s): "backward" where its all-reduces can hide behind the backward
+    alone (DDP's buckets, ZeRO-1's and accumulation's: their DDP), "none" where nothing hides them (one bucket after the
+    backward; DiLoCo's round, waited for at its end), "link" where they may hide behind the whole step (FSDP's
+    all-gathers in the forward too, the pipeline's sends, the overlapped round) or the row is unknown."""
+    row = next((r for r in rows() if r.name == name), None)
+    if row is None:
+        return "link"
+    if row.script == "distributed_diloco.py":
+        return "link" if "--overlap-round" in row.flags else "none"
+    if "--bucket-cap-mb" in row.flags:
+        return "none"
+    backward = ("distributed.py", "distributed_zero.py", "distributed_gradient_accumulation.py")
+    return "backward" if row.script in backward else "link"
 
 
 def parse_rates(text: str) -> list[dict] | str:
@@ -299,6 +329,18 @@ def timed(lines: list, steps_per_epoch: int, after_step: int = 0) -> dict | None
             "sent_mb": [s / len(seconds) / MB for s in sent]}
 
 
+def timed_round(lines: list, h: int) -> dict | None:
+    """A DiLoCo row's mean step over a whole round, its all-reduce included: from rank 0's line after step H (the
+    first round's end) to its line after step 2H (the second's; the epoch's last step, 2H + 1, ends a round of one,
+    which waits for the round in flight), divided by H; the bytes each host sent over them, per step."""
+    at = {step: (t, sent) for t, epoch, step, sent in lines if epoch == 1}
+    if h not in at or 2 * h not in at:
+        return None
+    (t0, sent0), (t1, sent1) = at[h], at[2 * h]
+    return {"step_s": (t1 - t0) / h, "steps_timed": h, "sent_mb": [(b - a) / h / MB for a, b in zip(sent0, sent1,
+                                                                                                   strict=True)]}
+
+
 def collectives_of_step(lanes: list[timeline.Lane], label: str) -> dict:
     """The collectives of the recorded step `label` ("step 7"): their calls on rank 0 (named as asked, and as gloo ran
     them where it differs) and the MB each rank sends for them (WIRE_SHARE), and rank 0's backward time."""
@@ -318,6 +360,8 @@ def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, 
     """One row at one rate (already shaped): its step time and bytes; with `count`, a third epoch and the collectives
     of one recorded step (--profile-steps) too."""
     steps_per_epoch, epochs = args.steps + 1, 3 if count else 2
+    if h := sync_every(row):  # DiLoCo: one epoch of 2H + 1 steps, its second round timed; no collectives counted
+        steps_per_epoch, epochs, count = 2 * h + 1, 1, False
     # the recorded steps 3 .. steps_per_epoch + 2: the last is the second epoch's second (PowerSGD compresses there)
     profiled = steps_per_epoch + 2 if count else 0
     # generous: five times the compute, twice 100 MB a step over the link, and start-up
@@ -330,7 +374,7 @@ def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, 
         if result.returncode:
             return {"error": f"still running after {limit:.0f} s: stopped" if result.returncode == 124 else
                     harness.why_it_failed(result.stderr)}
-        measured = timed(lines, steps_per_epoch, profiled)
+        measured = timed_round(lines, h) if h else timed(lines, steps_per_epoch, profiled)
         if measured is None:
             return {"error": f"no timed steps among {len(lines)} progress lines"}
         if count:
@@ -343,13 +387,14 @@ def compute_alone(args) -> dict:
     """The bare step of the per-rank batch, one process pinned on each host's core, both at once: the mean of their
     times per step (no process group, no communication; the machine's two cores as busy as in the rows)."""
     command = [sys.executable, "-m", "benchmarks.bare_step", "--device", "cpu", "--batch-size", str(args.batch_size),
-               "--steps", str(max(3, args.steps)), "--warmup", "2"]
+               "--steps", str(max(3, args.steps)), "--warmup", "2", "--phases"]
     printed = harness.last_json_lines([["taskset", "-c", str(core), *command] for core in host_cores()],
                                         [{**os.environ, "OMP_NUM_THREADS": "1"}] * 2)
     if printed is None:
         raise UsageError("the bare step failed; run python -m benchmarks.bare_step --device cpu to see why")
     rates = [p["images_per_s"] for p in printed]
     return {"step_s": statistics.mean(args.batch_size / r for r in rates),
+            **{phase: statistics.mean(p[phase] for p in printed) for phase in PHASES},
             "command": shlex.join(["python", *command[1:]])}
 
 
@@ -377,16 +422,17 @@ def draw_timeline(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int
 
 
 def learning_rows(selected: list[harness.Row]) -> list[harness.Row]:
-    """DDP, DDP with another seed (how far two runs of one method land apart), and each compression selected."""
+    """DDP, DDP with another seed (how far two runs of one method land apart), and each compression and DiLoCo row
+    selected: the rows whose arithmetic is not DDP's."""
     ddp = next(r for r in rows() if r.name == "DDP")
     other_seed = harness.Row("DDP, another seed", ddp.script, "torchrun", ["--seed", "1"], table="network")
-    return [ddp, other_seed] + [r for r in selected if "--comm-hook" in r.flags]
+    return [ddp, other_seed] + [r for r in selected if "--comm-hook" in r.flags or sync_every(r)]
 
 
 def learn(row: harness.Row, args) -> dict:
     """The row on 2 ranks of this machine (torchrun --standalone) for --learning-steps steps on the learnable
     synthetic set: its last epoch's mean training loss and its test loss and top-1."""
-    epochs = 2 if args.quick else 4
+    epochs = 2  # 64 steps an epoch by default: a round of DiLoCo's H=64 in each (a round never spans an epoch)
     per_epoch = max(1, args.learning_steps // epochs)
     global_batch = 2 * args.batch_size
     with tempfile.TemporaryDirectory() as out:
@@ -417,10 +463,29 @@ def measured(results: dict) -> dict:
     return {(r["row"], r["rate"]): r for r in results["runs"] if "step_s" in r}
 
 
-def floor_s(results: dict, run: dict, rate: dict) -> float:
+def link_limit_s(results: dict, run: dict, rate: dict) -> float:
     """max(compute alone, the busier host's bytes per step / rate): the step time the link allows."""
     alone = results["meta"]["compute_alone"]["step_s"]
     return max(alone, max(run["sent_mb"]) * MB * 8 / rate["bps"]) if rate["bps"] else alone
+
+
+def phased(results: dict) -> bool:
+    """Whether compute alone's forward, backward and optimizer step were timed (results since --phases)."""
+    return all(phase in results["meta"]["compute_alone"] for phase in PHASES)
+
+
+def floor_s(results: dict, run: dict, rate: dict) -> float:
+    """The fastest step the row's kind allows (floor_kind): compute alone with the bytes' time (bytes per step / rate)
+    where nothing hides them; where only the backward can, compute alone less the backward plus the longer of the
+    backward and the bytes' time; else the link's limit. Results without compute alone's phases: the link's limit."""
+    alone = results["meta"]["compute_alone"]
+    wire = max(run["sent_mb"]) * MB * 8 / rate["bps"] if rate["bps"] else 0.0
+    kind = floor_kind(run["row"]) if phased(results) else "link"
+    if kind == "none":
+        return alone["step_s"] + wire
+    if kind == "backward":
+        return alone["step_s"] - alone["backward_s"] + max(alone["backward_s"], wire)
+    return link_limit_s(results, run, rate)
 
 
 def markdown(results: dict, pictures: str = "") -> str:
@@ -443,8 +508,7 @@ def markdown(results: dict, pictures: str = "") -> str:
              f"after the recorded steps): "
              f"{timed_counts(results)}. Sent: each host's interface counters over those steps. Compute alone: "
              f"{alone:.2f} s per step{drift} (`{meta['compute_alone']['command']}`, one pinned process per core, "
-             f"both at once, no communication). Floor: max(compute alone, the busier host's bytes per step / rate).",
-             ""]
+             f"both at once, no communication). " + floors_said(results), ""]
     if meta.get("unfinished"):
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
     if meta.get("left_out"):
@@ -461,6 +525,28 @@ def markdown(results: dict, pictures: str = "") -> str:
     if any(measured(results)):
         lines += [f"![step time against link rate]({pictures}network.png)", ""]
     return "\n".join(lines)
+
+
+def floors_said(results: dict) -> str:
+    """The header's words on the floors, and on the DiLoCo rows' timing where there are any."""
+    if not phased(results):
+        return "Floor: max(compute alone, the busier host's bytes per step / rate)."
+    alone = results["meta"]["compute_alone"]
+    diloco = [name for name in results["meta"]["rows"] if name.startswith("DiLoCo")]
+    return (f"Of compute alone, the forward and loss took {alone['forward_s']:.2f} s, the backward "
+            f"{alone['backward_s']:.2f} s, the optimizer's step {alone['optimizer_s']:.2f} s (timed apart in the same "
+            "runs). The bytes' time: the busier host's bytes per step / rate. Floor, by what can hide a row's bytes "
+            "(the table's \"floor counts\"): where only the backward can (DDP and its one-flag rows, ZeRO-1, "
+            "accumulation: \"backward\"), compute alone less the backward plus the longer of the backward and the "
+            "bytes' time; where nothing can (one bucket after the backward, DiLoCo's round: \"none\"), compute alone "
+            "plus the bytes' time; where the whole step can (FSDP, HSDP, the pipeline, the overlapped round: "
+            "\"link\"), the link's limit, max(compute alone, the bytes' time), which each rate's table gives for "
+            "every row too." + (
+                " DiLoCo rows: one epoch of 2H + 1 steps; step time: the mean step over its second round (steps H + 1 "
+                "to 2H, the round's all-reduce included), between rank 0's progress lines after steps H and 2H; sent: "
+                "the counters over that round, per step (with --overlap-round they also catch what the next "
+                "round's all-reduce sent before rank 0's line was read: high where the link is fast); no collectives "
+                "counted." if diloco else ""))
 
 
 def timed_counts(results: dict) -> str:
@@ -533,9 +619,17 @@ def rate_table(results: dict, rate: dict) -> list[str]:
         floor = floor_s(results, run, rate)
         cells.append([run["row"], what, f"{run['step_s']:.2f}", " / ".join(f"{mb:.1f}" for mb in run["sent_mb"]), ratio,
                       f"{alone:.2f}", f"{floor:.2f}", f"{run['step_s'] / floor:.2f}"])
-    return [f"### At {rate['label']}", "", *harness.table(
-        ["strategy", "script + flags", "step s", "MB sent per step, host 0 / host 1 (counters)",
-         "counters / collectives", "compute alone s", "floor s", "step / floor"], cells), ""]
+        if phased(results):
+            limit = link_limit_s(results, run, rate)
+            cells[-1][6:6] = [floor_kind(run["row"])]
+            cells[-1] += [f"{limit:.2f}", f"{run['step_s'] / limit:.2f}"]
+    header = ["strategy", "script + flags", "step s", "MB sent per step, host 0 / host 1 (counters)",
+              "counters / collectives", "compute alone s", "floor s", "step / floor"]
+    if phased(results):
+        header[6:6] = ["floor counts"]
+        header += ["link limit s", "step / link limit"]
+        cells = [cell + [""] * (len(header) - len(cell)) for cell in cells]  # a failed run's row
+    return [f"### At {rate['label']}", "", *harness.table(header, cells), ""]
 
 
 def goals(results: dict) -> list[str]:
@@ -574,6 +668,7 @@ def goals(results: dict) -> list[str]:
         if power:
             lines.append(f"- At {rate['label']}, PowerSGD {power['step_s'] / alone:.2f}x compute alone (goal 1.3x: "
                          f"{'met' if power['step_s'] / alone <= 1.3 else 'not met'}).")
+    lines += diloco_goals(results)
     apart = {name: agreement(results, name) for name in results["meta"]["rows"]}
     off = [f"{name} {ratio:.2f}" for name, ratio in apart.items() if ratio is not None and abs(ratio - 1) > 0.1]
     if any(ratio is not None for ratio in apart.values()):
@@ -586,6 +681,28 @@ def goals(results: dict) -> list[str]:
                   f"{SAME_WITHIN:.0%} of DDP's, else the same (a fixed margin: the results keep each run's median "
                   f"step, not the spread of its steps)."] + crossings
     return lines + [""]
+
+
+def diloco_goals(results: dict) -> list[str]:
+    """At the slowest rate measured: DiLoCo (H=16)'s mean step against compute alone (goal 1.7x) and DDP's (goal 5x
+    faster), the overlapped round's against compute alone (goal 1.2x)."""
+    done, rates = measured(results), [r for r in results["meta"]["rates"] if r["bps"]]
+    if not rates:
+        return []
+    slowest = min(rates, key=lambda r: r["bps"])
+    alone = results["meta"]["compute_alone"]["step_s"]
+    plain, late, ddp = (done.get((name, slowest["label"])) for name in (
+        "DiLoCo (H=16)", "DiLoCo (H=16), round overlapped", "DDP"))
+    lines = []
+    if plain:
+        faster = f", {ddp['step_s'] / plain['step_s']:.2f}x faster than DDP (goal 5x: " \
+                 f"{'met' if ddp['step_s'] / plain['step_s'] >= 5 else 'not met'})" if ddp else ""
+        lines.append(f"- At {slowest['label']}, DiLoCo (H=16) {plain['step_s'] / alone:.2f}x compute alone (goal 1.7x: "
+                     f"{'met' if plain['step_s'] / alone <= 1.7 else 'not met'}){faster}.")
+    if late:
+        lines.append(f"- At {slowest['label']}, its round overlapped {late['step_s'] / alone:.2f}x compute alone (goal "
+                     f"1.2x: {'met' if late['step_s'] / alone <= 1.2 else 'not met'}).")
+    return lines
 
 
 def agreement(results: dict, name: str) -> float | None:
@@ -637,7 +754,9 @@ def learning_table(results: dict) -> list[str]:
         versus = f"{r['train_loss'] - base['train_loss']:+.4f}" if base else ""
         cells.append([r["name"], flags_text, r["steps"], f"{r['train_loss']:.4f}", f"{r['test_loss']:.4f}",
                       f"{r['top1']:.1f}", versus])
-    return ["### What compression costs in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
+    what = "compression and DiLoCo cost" if any(r["name"].startswith("DiLoCo") for r in results["learning"]) else \
+        "compression costs"
+    return [f"### What {what} in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
             *harness.table(["row", "flags", "steps", "training loss, last epoch", "test loss", "top-1 %",
                             "training loss - DDP's"], cells), "",
             "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces in full through "
@@ -732,14 +851,14 @@ def parse_args(argv=None):
     parser.add_argument("--only", action="append", default=None, metavar="ROWS",
                         help="only the rows whose name contains one of these comma-separated texts (any case; "
                              "repeatable): DDP, one bucket, fp16, bf16, PowerSGD, accumulation, ZeRO, FSDP, HSDP, "
-                             "Pipeline")
+                             "Pipeline, DiLoCo, overlapped")
     parser.add_argument("--steps", type=flags.positive_int, default=None,
                         help="timed steps a run (default: 4; 2 with --quick); at the first rate, 2 x STEPS - 1 "
                              "(a third epoch, the recorded steps left out)")
     parser.add_argument("--batch-size", type=flags.positive_int, default=None,
                         help="per-rank batch, divisible by 4 (default: 32, the CPU benchmark's; 8 with --quick)")
     parser.add_argument("--learning-steps", type=flags.non_negative_int, default=None,
-                        help="steps of the learning comparison (default: 48; 8 with --quick); 0: none")
+                        help="steps of the learning comparison, in 2 epochs (default: 128; 8 with --quick); 0: none")
     parser.add_argument("--timeline", action=argparse.BooleanOptionalAction, default=True,
                         help=f"draw a --profile-steps timeline of {TIMELINE_ROW} at the rate where its bytes take as "
                              "long as its backward")
@@ -756,7 +875,7 @@ def parse_args(argv=None):
     args.batch_size = args.batch_size or (8 if args.quick else 32)
     if args.batch_size % 4:
         parser.error("--batch-size must be divisible by 4 (accumulation's 4 micro-batches, the pipeline's 4)")
-    args.learning_steps = args.learning_steps if args.learning_steps is not None else (8 if args.quick else 48)
+    args.learning_steps = args.learning_steps if args.learning_steps is not None else (8 if args.quick else 128)
     args.output_dir = args.output_dir or ("runs/network" if args.quick else machine_folder())
     args.selected = harness.rows_named(rows(), args.only)
     if isinstance(args.selected, str):
@@ -819,9 +938,10 @@ def measure(args, doc: Path | None, command: str) -> None:
                         f"{' / '.join(f'{mb:.1f}' for mb in result['sent_mb'])} MB sent per host "
                         f"({result['wall_s']:.0f} s)" if "step_s" in result else f"failed: {result['error']}"))
             # compute alone again after the rows, so that the machine's drift during them shows; the floor: their mean
-            after = compute_alone(args)["step_s"]
-            before = meta["compute_alone"]["step_s"]
-            meta["compute_alone"].update(step_s=(before + after) / 2, before=before, after=after)
+            again, first = compute_alone(args), dict(meta["compute_alone"])
+            after, before = again["step_s"], first["step_s"]
+            meta["compute_alone"].update({phase: (first[phase] + again[phase]) / 2 for phase in PHASES},
+                                         step_s=(before + after) / 2, before=before, after=after)
             done(f"compute alone again: {after:.2f} s per step")
             if args.timeline and ddp and (rate := balanced_rate(results["collectives"].get(ddp.name))):
                 results["timeline"] = draw_timeline(hosts, ddp, rate, args, next_port(), out)

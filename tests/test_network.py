@@ -32,7 +32,7 @@ def test_without_root_it_says_so_in_one_line(monkeypatch, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, said", [(["--rates", "fast"], "is not a rate"),
                                         (["--rates", "100mbit,100Mbit"], "names a rate twice"),
-                                        (["--only", "DiLoCo"], "matches no row"),
+                                        (["--only", "Horovod"], "matches no row"),
                                         (["--batch-size", "6"], "divisible by 4")])
 def test_bad_input_is_one_line_and_writes_nothing(argv, said, tmp_path, capsys):
     out = tmp_path / "out"
@@ -56,6 +56,50 @@ def test_timed_steps_are_the_second_epochs_after_its_first_and_after_the_recorde
     assert network.timed(lines, 3) == {"step_s": 1, "steps_timed": 4, "sent_mb": [100 / 2**20, 200 / 2**20]}
     assert network.timed(lines, 3, after_step=5)["steps_timed"] == 3  # 5 -> 6, then epoch 3's two
     assert network.timed(lines[:4], 3) is None
+
+
+def test_a_diloco_row_is_timed_over_its_second_round_whole():
+    # H = 2: one epoch of 5 steps; rank 0's line after step 2 (the first round's end) to its line after step 4 (the
+    # second's, which took 3 s more: its all-reduce), over 2 steps
+    lines = [(t, 1, s, [10 * t, 20 * t]) for t, s in [(0, 1), (1, 2), (2, 3), (6, 4), (7, 5)]]
+    assert network.timed_round(lines, 2) == {"step_s": 2.5, "steps_timed": 2, "sent_mb": [25 / 2**20, 50 / 2**20]}
+    assert network.timed_round(lines[:3], 2) is None  # stopped before the second round's end
+
+
+def test_each_row_is_held_to_the_floor_of_what_can_hide_its_bytes():
+    """With compute alone's phases (1 s a step, 0.5 of it the backward): DDP hides its bytes behind the backward alone,
+    one bucket and DiLoCo's round behind nothing, FSDP and the overlapped round behind the whole step; results without
+    the phases keep the link's limit."""
+    results = fake_results()
+    results["meta"]["compute_alone"].update(forward_s=0.3, backward_s=0.5, optimizer_s=0.2)
+    rate = {"label": "100 Mbit/s", "bps": 100e6}
+    wire = 7.5 * 2**20 * 8 / 100e6  # 0.63 s
+
+    def floor(name):
+        return network.floor_s(results, {"row": name, "sent_mb": [7.5, 7.0]}, rate)
+    assert floor("DDP") == pytest.approx(0.5 + wire) and floor("ZeRO-1") == floor("DDP")
+    assert floor("DDP, one bucket after the backward") == floor("DiLoCo (H=16)") == pytest.approx(1 + wire)
+    assert floor("FSDP") == floor("DiLoCo (H=16), round overlapped") == pytest.approx(1.0)  # the link's limit
+    assert network.floor_s(results, {"row": "DDP", "sent_mb": [100.0, 1.0]}, rate) == pytest.approx(100 * 2**20 * 8
+                                                                                                    / 100e6 + 0.5)
+    del results["meta"]["compute_alone"]["backward_s"]
+    assert floor("DDP") == floor("DDP, one bucket after the backward") == pytest.approx(1.0)
+
+
+def test_the_diloco_goals_and_the_floors_kind_are_on_the_page():
+    results = fake_results()
+    results["meta"]["compute_alone"].update(forward_s=0.3, backward_s=0.5, optimizer_s=0.2)
+    results["meta"]["rows"] += ["DiLoCo (H=16)", "DiLoCo (H=16), round overlapped"]
+    results["runs"] += [{"row": "DiLoCo (H=16)", "rate": "100 Mbit/s", "step_s": 1.6, "steps_timed": 16,
+                         "sent_mb": [2.7, 2.7]},
+                        {"row": "DiLoCo (H=16), round overlapped", "rate": "100 Mbit/s", "step_s": 1.1,
+                         "steps_timed": 16, "sent_mb": [2.7, 2.7]}]
+    text = network.markdown(results)
+    assert "- At 100 Mbit/s, DiLoCo (H=16) 1.60x compute alone (goal 1.7x: met), 2.25x faster than DDP (goal 5x: " \
+           "not met)." in text
+    assert "- At 100 Mbit/s, its round overlapped 1.10x compute alone (goal 1.2x: met)." in text
+    assert "| floor counts |" in text and "| DiLoCo (H=16) | `distributed_diloco.py --sync-every 16` | 1.60 |" in text
+    assert "| 1.00 | none | 1.23 | 1.30 | 1.00 | 1.60 |" in text  # floor 1 + 2.7 MB / 100 Mbit/s, then the link's limit
 
 
 def fake_results() -> dict:
