@@ -89,7 +89,7 @@ def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, 
         late.put(dist.all_reduce(message, async_op=True), message, world_size)
         if epoch_ends:  # the epoch's last round waits for its own too: the evaluation and checkpoint see every round
             means.append(late.take())
-    for mean in filter(lambda mean: mean is not None, means):  # (the run's first round has no round before)
+    for mean in filter(lambda mean: mean is not None, means):  # (an epoch's first round has no round before)
         averaged = mean.split([t.numel() for t in starts + statistics])
         for start, grad in zip(starts, averaged, strict=False):
             start.grad = grad.view_as(start)

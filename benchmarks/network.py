@@ -115,9 +115,11 @@ def sync_every(row: harness.Row) -> int | None:
 
 def floor_kind(name: str) -> str:
     """Which floor applies to the row `name` (floor_s): "backward" where its all-reduces can hide behind the backward
-    alone (DDP's buckets, ZeRO-1's and accumulation's: their DDP), "none" where nothing hides them (one bucket after the
-    backward; DiLoCo's round, waited for at its end), "link" where they may hide behind the whole step (FSDP's
-    all-gathers in the forward too, the pipeline's sends, the overlapped round) or the row is unknown."""
+    alone (DDP's buckets; ZeRO-1's and accumulation's, their DDP, for which it is lower than they can reach: ZeRO-1's
+    broadcasts follow the optimizer's step, accumulation overlaps only its last micro-batch's backward), "none" where
+    nothing hides them (one bucket after the backward; DiLoCo's round, waited for at its end), "link" where they may
+    hide behind the whole step (FSDP's and HSDP's all-gathers in the forward too, the pipeline's sends, the overlapped
+    round) or the row is unknown."""
     row = next((r for r in rows() if r.name == name), None)
     if row is None:
         return "link"
@@ -536,17 +538,17 @@ def floors_said(results: dict) -> str:
     return (f"Of compute alone, the forward and loss took {alone['forward_s']:.2f} s, the backward "
             f"{alone['backward_s']:.2f} s, the optimizer's step {alone['optimizer_s']:.2f} s (timed apart in the same "
             "runs). The bytes' time: the busier host's bytes per step / rate. Floor, by what can hide a row's bytes "
-            "(the table's \"floor counts\"): where only the backward can (DDP and its one-flag rows, ZeRO-1, "
-            "accumulation: \"backward\"), compute alone less the backward plus the longer of the backward and the "
-            "bytes' time; where nothing can (one bucket after the backward, DiLoCo's round: \"none\"), compute alone "
-            "plus the bytes' time; where the whole step can (FSDP, HSDP, the pipeline, the overlapped round: "
+            "(the table's \"floor counts\"): where only the backward can (DDP, its compression and no-SyncBatchNorm "
+            "rows, ZeRO-1 and accumulation, for which it is lower than they can reach: \"backward\"), compute alone "
+            "less the backward plus the longer of the backward and the bytes' time; where nothing can (one bucket "
+            "after the backward, DiLoCo's round: \"none\"), compute alone plus the bytes' time; where the whole step "
+            "can (FSDP, HSDP, the pipeline, the overlapped round: "
             "\"link\"), the link's limit, max(compute alone, the bytes' time), which each rate's table gives for "
             "every row too." + (
                 " DiLoCo rows: one epoch of 2H + 1 steps; step time: the mean step over its second round (steps H + 1 "
                 "to 2H, the round's all-reduce included), between rank 0's progress lines after steps H and 2H; sent: "
-                "the counters over that round, per step (with --overlap-round they also catch what the next "
-                "round's all-reduce sent before rank 0's line was read: high where the link is fast); no collectives "
-                "counted." if diloco else ""))
+                "the counters over that round, per step (with --overlap-round the all-reduces run across the lines: "
+                "about a round's bytes, not split exactly); no collectives counted." if diloco else ""))
 
 
 def timed_counts(results: dict) -> str:

@@ -103,7 +103,7 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
     at their inner steps; at each round's end (every H steps and the epoch's last) the mean of their pseudo-gradients
     (round's start - now) is the outer SGD's gradient, BatchNorm's statistics are averaged, and each worker restarts
     from the new round's start with no inner momentum. With --overlap-round, the delayed outer gradients of arXiv
-    2502.12996: a round's end steps with the mean of the round before (the run's first round steps with none), so
+    2502.12996: a round's end steps with the mean of the round before (an epoch's first round steps with none), so
     the next round starts from weights that lack the round just ended; an epoch's last round then steps with its own
     mean too. Returns the round's start and the outer optimizer."""
     args = script.parse_args(ARGS + flags)
@@ -332,7 +332,7 @@ def test_ctrl_c_mid_round_then_the_same_command_continues_bit_for_bit(rounds, st
     status, seconds = started.finish()  # seconds from the signal: torchrun's SIGKILL comes 30 s after its SIGTERM
     assert status != 0 and seconds < 30 and "stopped by SIGINT at epoch 1, step" in started.text, started.output
     halfway = torch.load(stopped / "checkpoint.pt", weights_only=True)
-    assert stop_at <= halfway["step"] < before, halfway["step"]  # within the first round; the second (overlapped)
+    assert stop_at <= halfway["step"] < before, halfway["step"]  # within the first round; before the epoch's end
     assert bool(halfway.get("round_in_flight")) == ("--overlap-round" in rounds)  # a round's mean not yet stepped with
     shutil.copytree(stopped, tmp_path / "on-one-process", ignore=shutil.ignore_patterns("run.lock"))
     again = check(run(cmd + ["--output-dir", str(stopped)]))

@@ -5,9 +5,9 @@ import torch.distributed as dist
 
 
 class InFlight:
-    """At most one all-reduce (a sum) left running. A checkpoint's part: state_dict() waits for it (every rank saves
-    at the same step) and keeps its mean, which a run at any world size continues from, bit for bit the mean that
-    take() would have given."""
+    """At most one all-reduce (a sum) left running. A checkpoint's part: state_dict() (rank 0's, which writes the
+    checkpoint) waits for it and keeps its mean, which a run at any world size continues from, bit for bit the mean
+    that take() would have given."""
 
     def __init__(self):
         self.work, self.value, self.ranks = None, None, 1
