@@ -12,7 +12,7 @@ import sys
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.optim import lr_scheduler
+from torch.optim import lr_scheduler, swa_utils
 from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
@@ -74,9 +74,9 @@ def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, 
     late (--overlap-round, a utils.in_flight.InFlight): this round's all-reduce is left running through the next round's
     steps, and the outer step applies the round before's mean instead, one round late."""
     starts, weights = list(outer_model.parameters()), list(model.parameters())
-    # BatchNorm's running mean and variance, each rank's from its own batches: averaged too, since evaluation
-    # normalises by them (torchft's DiLoCo averages parameters only: transformers' LayerNorm keeps no statistics)
-    statistics = floating(model.buffers())
+    # BatchNorm's running mean and variance, each rank's from its own batches: averaged too, for a checkpoint mid-epoch
+    # (each epoch's end measures them again, train(); torchft's DiLoCo averages parameters only)
+    statistics = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
     # the pseudo-gradient: how far this rank's inner steps moved each weight from the round's start (a step's
     # direction, as a gradient is), all of it and the statistics in one message: the round's one all-reduce
     message = torch.cat([(start - now).flatten() for start, now in zip(starts, weights, strict=True)] +
@@ -89,21 +89,18 @@ def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, 
         late.put(dist.all_reduce(message, async_op=True), message, world_size)
         if epoch_ends:  # the epoch's last round waits for its own too: the evaluation and checkpoint see every round
             means.append(late.take())
-    for mean in filter(lambda mean: mean is not None, means):  # (an epoch's first round has no round before)
+    outer_statistics = [buffer for buffer in outer_model.buffers() if buffer.is_floating_point()]
+    for mean in [mean for mean in means if mean is not None]:  # (an epoch's first round has no round before)
         averaged = mean.split([t.numel() for t in starts + statistics])
         for start, grad in zip(starts, averaged, strict=False):
             start.grad = grad.view_as(start)
         outer_optimizer.step()  # the round's start moves: SGD with Nesterov momentum on the averaged pseudo-gradient
-        for buffer, value in zip(floating(outer_model.buffers()), averaged[len(starts):], strict=True):
+        for buffer, value in zip(outer_statistics, averaged[len(starts):], strict=True):
             buffer.copy_(value.view_as(buffer))  # the round's start holds the averaged statistics
     for start, buffer in zip(outer_model.buffers(), model.buffers(), strict=True):
         if not buffer.is_floating_point():
             start.copy_(buffer)  # and the count of batches (the same on every rank)
     start_round(model, outer_model, inner_optimizer)
-
-
-def floating(buffers) -> list:
-    return [buffer for buffer in buffers if buffer.is_floating_point()]
 
 
 @torch.no_grad()
@@ -158,17 +155,21 @@ def train(args, env, safety):
     if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json
         safety.write_eval(metrics.evaluate(outer_model, test_loader, env.device))
         return
-    start_round(model, outer_model, optimizer)
     steps, end = len(train_loader), functools.partial(end_round, model, outer_model, outer_optimizer, optimizer,
                                                       env.world_size, late)
     for epoch in range(start_epoch, args.epochs):
+        start_round(model, outer_model, optimizer)  # every epoch from the round's start, its statistics measured below
         start_step = safety.begin_epoch(epoch)  # 0, or the step a mid-epoch checkpoint reached
         first = start_step if start_step == steps else start_step - start_step % args.sync_every  # its round's start
         # a new shuffle and augmentation each epoch (else each repeats the first); skip: what the checkpoint's round had
         sampler.set_epoch(epoch, skip=first * batch)
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm,
                         end_round=end, sync_every=args.sync_every, steps=steps, first=first, replayed=start_step)
-        # the round's start: after the epoch's last round the weights of every rank; a stop signal cuts it short
+        # the round's start, to evaluate: its outer step moved it past where the ranks measured BatchNorm's statistics
+        # (1.33x the mean step at the paper's rates), so they are measured again, as SWA's averaged weights need them
+        if not safety.stop_received_here():  # the same 512 training images on every rank (a stop: evaluation cut short)
+            swa_utils.update_bn(DataLoader(train_set, batch_size=batch, sampler=range(min(len(train_set), 512))),
+                                outer_model, env.device)
         results = metrics.evaluate(outer_model, test_loader, env.device, stop=safety.stop_received_here)
         if safety.end_epoch(results, lr=scheduler.get_last_lr()[0]):  # metrics.jsonl's line; True: stopped, saved
             return

@@ -22,6 +22,7 @@ from processes import Run
 from script_parts import train_loader
 from script_runs import TINY, check, launcher, read_metrics, run, run_main
 from torch import nn
+from torch.utils.data import DataLoader
 
 import distributed_diloco as script
 from benchmarks.diloco import count
@@ -46,7 +47,7 @@ RUNS = {  # name: script, its own flags
                                                     "5e-4", "--overlap-round"]),
 }
 RTOL, ATOL = 1e-6, 1e-9  # float64 in two summation orders: about 1e-7 apart here; a changed line moves 1e-3 or more
-STATISTICS = ("running_mean", "running_var")
+STATISTICS = ("running_mean", "running_var", "num_batches_tracked")  # BatchNorm's statistics and its count
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +106,8 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
     from the new round's start with no inner momentum. With --overlap-round, the delayed outer gradients of arXiv
     2502.12996: a round's end steps with the mean of the round before (an epoch's first round steps with none), so
     the next round starts from weights that lack the round just ended; an epoch's last round then steps with its own
-    mean too. Returns the round's start and the outer optimizer."""
+    mean too. At each epoch's end BatchNorm's statistics are measured again at the round's start
+    (torch.optim.swa_utils.update_bn). Returns the round's start and the outer optimizer."""
     args = script.parse_args(ARGS + flags)
     classes = data.num_classes(data.load(args, train=True))
     torch.manual_seed(args.seed)  # after the data, as in the script
@@ -143,12 +145,24 @@ def _simulate(flags: list[str], workers: int) -> tuple[nn.Module, torch.optim.Op
                 for b, *now in zip(start.buffers(), *[m.buffers() for m in ranks], strict=True):
                     if not b.is_floating_point():
                         b.copy_(now[0])
-            for m, o in zip(ranks, inner, strict=True):
-                m.load_state_dict(start.state_dict())
-                o.state.clear()
+            restart(ranks, inner, start)
+        # the epoch's end: BatchNorm's statistics measured again at the round's start, on the first 512 training
+        # images in the ranks' batches, and the next epoch starts from them
+        train_set = data.load(args, train=True)
+        train_set.set_epoch(epoch)  # the epoch's augmentation, as the script's sampler told its training set
+        torch.optim.swa_utils.update_bn(DataLoader(train_set, batch_size=args.batch_size // workers,
+                                                   sampler=range(min(len(train_set), 512))), start)
+        restart(ranks, inner, start)
         for schedule in schedules:
             schedule.step()
     return start, outer
+
+
+def restart(ranks: list[nn.Module], inner: list[torch.optim.Optimizer], start: nn.Module) -> None:
+    """Every worker from the round's start, with no inner momentum."""
+    for m, o in zip(ranks, inner, strict=True):
+        m.load_state_dict(start.state_dict())
+        o.state.clear()
 
 
 def assert_close(got: dict, expected: dict, name: str, keys=None) -> None:
@@ -195,7 +209,8 @@ def test_the_overlapped_round_is_one_process_stepping_one_round_late(made):
 def test_h_1_with_plain_sgd_is_ddp(made):
     """H = 1, no inner momentum, outer lr 1, no outer momentum: averaging the weights after one plain SGD step is
     averaging the gradients, so every parameter is DDP's (without SyncBatchNorm) on the same batches. Their
-    BatchNorm statistics differ by design: DDP keeps rank 0's (it broadcasts them), DiLoCo their mean."""
+    BatchNorm statistics and count differ by design: DDP keeps rank 0's (it broadcasts them), DiLoCo measures them
+    again at the round's start at each epoch's end."""
     diloco, ddp = made("H = 1, plain"), made("DDP, no SyncBatchNorm, no momentum")
     parameters = [key for key in ddp["model"] if not key.endswith(STATISTICS)]
     assert_close(diloco["model"], ddp["model"], "H = 1 against DDP", parameters)
