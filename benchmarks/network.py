@@ -423,12 +423,19 @@ def draw_timeline(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int
     return {"rate": rate["label"], "row": row.name, "picture": "timeline.png", "summary": timeline.summary_text(lanes)}
 
 
-def learning_rows(selected: list[harness.Row]) -> list[harness.Row]:
+def learning_rows(selected: list[harness.Row], quick: bool = False) -> list[harness.Row]:
     """DDP, DDP with another seed (how far two runs of one method land apart), and each compression and DiLoCo row
-    selected: the rows whose arithmetic is not DDP's."""
+    selected: the rows whose arithmetic is not DDP's; DiLoCo (H=16), if selected, with another seed too, and the
+    overlapped round with no outer momentum too (--outer-momentum 0: its time is the row's);
+    with --quick (a check of every path) not those two, which run no path the others do not."""
+    def learning_only(row: harness.Row, name: str, flags: list[str]) -> harness.Row:
+        return harness.Row(f"{row.name}, {name}", row.script, "torchrun", flags, table="network")
     ddp = next(r for r in rows() if r.name == "DDP")
-    other_seed = harness.Row("DDP, another seed", ddp.script, "torchrun", ["--seed", "1"], table="network")
-    return [ddp, other_seed] + [r for r in selected if "--comm-hook" in r.flags or sync_every(r)]
+    extra = [learning_only(r, "another seed", [*r.flags, "--seed", "1"]) for r in selected if r.name == "DiLoCo (H=16)"]
+    extra += [learning_only(r, "no outer momentum", [*r.flags, "--outer-momentum", "0"])
+              for r in selected if "--overlap-round" in r.flags]
+    return [ddp, learning_only(ddp, "another seed", ["--seed", "1"])] + \
+        [r for r in selected if "--comm-hook" in r.flags or sync_every(r)] + ([] if quick else extra)
 
 
 def learn(row: harness.Row, args) -> dict:
@@ -756,15 +763,17 @@ def learning_table(results: dict) -> list[str]:
         versus = f"{r['train_loss'] - base['train_loss']:+.4f}" if base else ""
         cells.append([r["name"], flags_text, r["steps"], f"{r['train_loss']:.4f}", f"{r['test_loss']:.4f}",
                       f"{r['top1']:.1f}", versus])
-    what = "compression and DiLoCo cost" if any(r["name"].startswith("DiLoCo") for r in results["learning"]) else \
-        "compression costs"
+    diloco = any(r["name"].startswith("DiLoCo") for r in results["learning"])
+    what = "compression and DiLoCo cost" if diloco else "compression costs"
     return [f"### What {what} in learning (2 ranks, unshaped: the loss does not depend on the link)", "",
             *harness.table(["row", "flags", "steps", "training loss, last epoch", "test loss", "top-1 %",
                             "training loss - DDP's"], cells), "",
             "Learning rate 0.05, no augmentation, the global batch of the rows; PowerSGD all-reduces in full through "
             "the first epoch and compresses from the second. Each row is one run. \"DDP, another seed\" is one "
             "measure of how far two runs of the same method land apart: a compression's difference within it cannot "
-            "be told from noise.", ""]
+            "be told from noise." + (" A DiLoCo row's training loss is its ranks' own, each on its own weights "
+                                     "between rounds; its test loss and top-1 are those of the weights every rank "
+                                     "agrees on after the last round." if diloco else ""), ""]
 
 
 def chart(results: dict, path: Path) -> None:
@@ -909,7 +918,7 @@ def measure(args, doc: Path | None, command: str) -> None:
             "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected],
             "left_out": args.left_out}
     results = {"meta": meta, "runs": [], "collectives": {}, "learning": [], "timeline": None}
-    learners = learning_rows(args.selected) if args.learning_steps else []
+    learners = learning_rows(args.selected, args.quick) if args.learning_steps else []
     ddp = next((r for r in args.selected if r.name == TIMELINE_ROW), None)
     stages = 2 + len(args.rates) * len(args.selected) + bool(args.timeline and ddp) + len(learners)
     done, port = harness.Progress(stages, write=lambda line: print(line, flush=True)).done, [29600]

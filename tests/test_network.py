@@ -49,6 +49,15 @@ def test_rates_go_fastest_first_and_only_names_rows():
                                                                                         "DDP + PowerSGD (rank 2)"]
 
 
+def test_the_learning_rows_give_diloco_a_second_seed_and_the_overlap_no_outer_momentum():
+    names = {r.name: r.flags for r in network.learning_rows(network.rows())}
+    assert names["DiLoCo (H=16), another seed"] == ["--sync-every", "16", "--seed", "1"]
+    assert names["DiLoCo (H=16), round overlapped, no outer momentum"] == ["--sync-every", "16", "--overlap-round",
+                                                                            "--outer-momentum", "0"]
+    quick = [r.name for r in network.learning_rows(network.rows(), quick=True)]
+    assert "DDP, another seed" in quick and not any(name.endswith(("seed", "momentum")) for name in quick[2:])
+
+
 def test_timed_steps_are_the_second_epochs_after_its_first_and_after_the_recorded_ones():
     # (arrival, epoch, step, bytes each host had sent): 3 steps an epoch; step 2 of epoch 2 is global step 5
     lines = [(t, e, s, [100 * t, 200 * t]) for t, (e, s) in enumerate([(1, 1), (1, 2), (1, 3), (2, 1), (2, 2),
