@@ -108,6 +108,10 @@ def rows() -> list[harness.Row]:
     ]
 
 
+# the rows whose every update is DDP's, up to the order of summation (tests/test_scripts_equal.py for the scripts)
+DDP_UPDATES = {"DDP", "DDP, one bucket after the backward", "ZeRO-1", "FSDP", "HSDP (2 replicas of 1 shard)"}
+
+
 def sync_every(row: harness.Row) -> int | None:
     """A DiLoCo row's H (its --sync-every); None for the others."""
     return int(row.flags[row.flags.index("--sync-every") + 1]) if row.script == "distributed_diloco.py" else None
@@ -522,7 +526,8 @@ def markdown(results: dict, pictures: str = "") -> str:
         lines += [f"**Unfinished:** {meta['unfinished']}", ""]
     if meta.get("left_out"):
         lines += [meta["left_out"] + ".", ""]
-    lines += ladder_table(results) + bytes_table(results) + goals(results) + learning_table(results)
+    lines += ladder_table(results) + bytes_table(results) + goals(results) + learning_table(results) + \
+        choice_table(results)
     for rate in meta["rates"]:
         lines += rate_table(results, rate)
     if results.get("timeline"):
@@ -712,6 +717,51 @@ def diloco_goals(results: dict) -> list[str]:
         lines.append(f"- At {slowest['label']}, its round overlapped {late['step_s'] / alone:.2f}x compute alone (goal "
                      f"1.2x: {'met' if late['step_s'] / alone <= 1.2 else 'not met'}).")
     return lines
+
+
+def within_ddps_spread(results: dict) -> tuple[float, dict] | None:
+    """(the test loss a row may reach and still learn as DDP does: the worse of DDP's two seeds plus their difference;
+    {learning run's name: its test loss}); None without both of DDP's learning runs."""
+    losses = {r["name"]: r["test_loss"] for r in results.get("learning", []) if "test_loss" in r}
+    if "DDP" not in losses or "DDP, another seed" not in losses:
+        return None
+    seeds = losses["DDP"], losses["DDP, another seed"]
+    return max(seeds) + abs(seeds[0] - seeds[1]), losses
+
+
+def choice_table(results: dict) -> list[str]:
+    """For each rate: the fastest row whose learning is within DDP's seed spread (within_ddps_spread: every seed of
+    it), and the fastest whatever its learning. The rows of DDP's updates (DDP_UPDATES) learn as DDP does; the others
+    without a learning run are not known to; a learning run named after a timed row ("<row>, no outer momentum")
+    takes that row's time."""
+    spread = within_ddps_spread(results)
+    if spread is None:
+        return []
+    bound, losses = spread
+
+    def learns(name):
+        runs = [run for run in (name, name + ", another seed") if run in losses]
+        return name in DDP_UPDATES or bool(runs) and all(losses[run] <= bound for run in runs)
+    def timed_row(learned, timed):  # the timed row a learning run is named after: the longest name that prefixes it
+        return max((name for name in timed if learned.startswith(name + ", ")), key=len, default=None)
+    done, cells = measured(results), []
+    for rate in results["meta"]["rates"]:
+        timed = {name: run["step_s"] for (name, label), run in done.items() if label == rate["label"]}
+        fastest = min(timed, key=timed.get, default=None)
+        variants = {learned: timed[row] for learned in losses
+                    if not learned.endswith("another seed") and (row := timed_row(learned, timed))}
+        candidates = timed | variants  # a timed row first: of two at the same time, the row itself is named
+        good = min((n for n in candidates if learns(n)), key=candidates.get, default=None)
+        cells.append([rate["label"], good or "none", f"{candidates[good]:.2f}" if good else "",
+                      fastest or "none", f"{timed[fastest]:.2f}" if fastest else ""])
+    return ["### What to run at each rate", "", *harness.table(
+        ["rate", "fastest whose learning is within DDP's seed spread", "s / step", "fastest whatever its learning",
+         "s / step"], cells), "",
+        f"Within DDP's seed spread: a test loss after the learning comparison's steps of at most {bound:.4f} (the "
+        f"worse of DDP's two seeds plus their difference), in every seed run. {', '.join(sorted(DDP_UPDATES))} make "
+        f"DDP's updates (up to the order of summation) and learn as it does; a row with neither is not a candidate. "
+        f"A learning run named after a timed row takes that row's step time. One run a seed: rows within a few "
+        f"percent of each other are not told apart.", ""]
 
 
 def agreement(results: dict, name: str) -> float | None:

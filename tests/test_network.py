@@ -111,6 +111,29 @@ def test_the_diloco_goals_and_the_floors_kind_are_on_the_page():
     assert "| 1.00 | none | 1.23 | 1.30 | 1.00 | 1.60 |" in text  # floor 1 + 2.7 MB / 100 Mbit/s, then the link's limit
 
 
+def test_each_rate_names_the_fastest_row_that_learns_as_ddp_and_the_fastest_whatever_it_learns():
+    """DDP's seeds end at test loss 0.10 and 0.12, so a row learns as DDP does up to 0.14. fp16 compression is faster
+    than DDP at 300 and 100 Mbit/s and learns within; the overlapped round is faster still at 100 Mbit/s but learns
+    far worse, until a run of it with no outer momentum (which takes its time) learns within; fp16 at 0.15 does not."""
+    results = fake_results()
+    results["runs"].append({"row": "DiLoCo (H=16), round overlapped", "rate": "100 Mbit/s", "step_s": 1.2,
+                            "steps_timed": 16, "sent_mb": [2.7, 2.7]})
+    results["learning"] = [{"name": name, "flags": [], "steps": 128, "train_loss": 0.1, "test_loss": loss, "top1": 99.0}
+                           for name, loss in [("DDP", 0.10), ("DDP, another seed", 0.12),
+                                              ("DDP + fp16 compression", 0.13),
+                                              ("DiLoCo (H=16), round overlapped", 3.9)]]
+    text = network.markdown(results)
+    assert "| unshaped | DDP | 1.00 | DDP | 1.00 |" in text
+    assert "| 300 Mbit/s | DDP + fp16 compression | 1.05 | DDP + fp16 compression | 1.05 |" in text
+    assert "| 100 Mbit/s | DDP + fp16 compression | 1.90 | DiLoCo (H=16), round overlapped | 1.20 |" in text
+    assert "of at most 0.1400 (the worse of DDP's two seeds plus their difference)" in text
+    results["learning"].append({"name": "DiLoCo (H=16), round overlapped, no outer momentum", "flags": [], "steps": 128,
+                                "train_loss": 0.1, "test_loss": 0.05, "top1": 100.0})
+    assert "| 100 Mbit/s | DiLoCo (H=16), round overlapped, no outer momentum | 1.20 |" in network.markdown(results)
+    results["learning"][2]["test_loss"] = 0.15  # fp16 now learns worse than DDP's spread: DDP is the choice at 300
+    assert "| 300 Mbit/s | DDP | 1.30 | DDP + fp16 compression | 1.05 |" in network.markdown(results)
+
+
 def fake_results() -> dict:
     rates = network.parse_rates("unshaped,300mbit,100mbit")
     runs = []
