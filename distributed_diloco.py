@@ -32,9 +32,9 @@ def parse_args(argv=None):
     diloco.add_argument("--outer-momentum", type=flags.non_negative_float, default=0.9,
                         help="the outer SGD's Nesterov momentum (paper: 0.9; 0: plain SGD)")
     diloco.add_argument("--overlap-round", action="store_true",
-                        help="leave a round's all-reduce running through the next round's steps and apply its outer "
-                             "step one round late (arXiv 2502.12996's delayed outer gradients); each epoch's last "
-                             "round waits. It learned far less in the one run measured: docs/diloco.md")
+                        help="leave a round's all-reduce running through the next round's steps, its outer step one "
+                             "round late (arXiv 2502.12996; each epoch's last round waits). It learned far less with "
+                             "the outer momentum than with --outer-momentum 0 in the run measured: docs/diloco.md")
     data.add_flags(parser)  # the flags your datasets() reads: --data-dir, --dataset, ... (docs/template.md)
     flags.add_training_flags(parser)  # --epochs --batch-size --lr --warmup-epochs --momentum --weight-decay --seed
     flags.add_device_flags(parser, sync_bn=False)  # --device, --backend, --dist-timeout (BatchNorm per rank, below)
