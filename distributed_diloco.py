@@ -165,8 +165,8 @@ def train(args, env, safety):
         sampler.set_epoch(epoch, skip=first * batch)
         train_one_epoch(model, criterion, optimizer, train_loader, env.device, safety, args.clip_grad_norm,
                         end_round=end, sync_every=args.sync_every, steps=steps, first=first, replayed=start_step)
-        # the round's start, to evaluate: its outer step moved it past where the ranks measured BatchNorm's statistics
-        # (1.33x the mean step at the paper's rates), so they are measured again, as SWA's averaged weights need them
+        # the round's start, to evaluate: its outer steps moved it past where the ranks measured BatchNorm's statistics
+        # (the first 1.33x the mean step at the paper's rates): measured again, as SWA's averaged weights need them
         if not safety.stop_received_here():  # the same 512 training images on every rank (a stop: evaluation cut short)
             swa_utils.update_bn(DataLoader(train_set, batch_size=batch, sampler=range(min(len(train_set), 512))),
                                 outer_model, env.device)

@@ -108,7 +108,8 @@ def rows() -> list[harness.Row]:
     ]
 
 
-# the rows whose every update is DDP's, up to the order of summation (tests/test_scripts_equal.py for the scripts)
+# the rows whose every update is DDP's, up to the order of summation (ZeRO-1 and FSDP: tests/test_scripts_equal.py;
+# HSDP: tests/test_fsdp.py; one bucket is DDP itself with another bucket size)
 DDP_UPDATES = {"DDP", "DDP, one bucket after the backward", "ZeRO-1", "FSDP", "HSDP (2 replicas of 1 shard)"}
 
 
@@ -758,8 +759,9 @@ def choice_table(results: dict) -> list[str]:
         ["rate", "fastest whose learning is within DDP's seed spread", "s / step", "fastest whatever its learning",
          "s / step"], cells), "",
         f"Within DDP's seed spread: a test loss after the learning comparison's steps of at most {bound:.4f} (the "
-        f"worse of DDP's two seeds plus their difference), in every seed run. {', '.join(sorted(DDP_UPDATES))} make "
-        f"DDP's updates (up to the order of summation) and learn as it does; a row with neither is not a candidate. "
+        f"worse of DDP's two seeds plus their difference), in every seed run. These make DDP's updates (up to the "
+        f"order of summation) and learn as it does: {'; '.join(sorted(DDP_UPDATES))}. A row that neither makes DDP's "
+        f"updates nor has a learning run is not a candidate. "
         f"A learning run named after a timed row takes that row's step time. One run a seed: rows within a few "
         f"percent of each other are not told apart.", ""]
 

@@ -174,8 +174,8 @@ def assert_close(got: dict, expected: dict, name: str, keys=None) -> None:
 @pytest.mark.timeout(300)
 def test_any_h_is_one_process_of_workers_taking_turns(made):
     """H = 3 (rounds of 3, 1, 3, 1 steps: the epoch ends a round), inner momentum, outer SGD 0.7 with Nesterov 0.9:
-    the round's start (weights and averaged BatchNorm statistics) and the outer momentum that the script saved are
-    the one-process simulation's."""
+    the round's start (weights, and BatchNorm statistics measured again at the epoch's end) and the outer momentum
+    that the script saved are the one-process simulation's."""
     saved = made("H = 3")
     start, outer = simulate(RUNS["H = 3"][1])
     assert_close(saved["model"], start.state_dict(), "H = 3")
