@@ -225,14 +225,15 @@ class TwoHosts:
             shutil.rmtree(f"/etc/netns/{name}", ignore_errors=True)
         self.made = []
 
-    def shape(self, rate: dict) -> None:
-        """Both directions held to the rate by a token bucket on each end of the link; unshaped: none."""
+    def shape(self, rate: dict, burst: str = "256kb", latency: str = "100ms") -> None:
+        """Both directions held to the rate by a token bucket on each end of the link (tc's tbf: `burst` the bucket's
+        size, `latency` how long a packet may wait in its queue before it is dropped); unshaped: none."""
         for name, interface in zip(self.names, INTERFACES, strict=True):
             if rate["tc"] is None:  # none there yet: tc says so, and that is fine
                 subprocess.run(["tc", "-n", name, "qdisc", "del", "dev", interface, "root"], capture_output=True)
                 continue
             shaped = subprocess.run(["tc", "-n", name, "qdisc", "replace", "dev", interface, "root", "tbf", "rate",
-                                     rate["tc"], "burst", "256kb", "latency", "100ms"], capture_output=True, text=True)
+                                     rate["tc"], "burst", burst, "latency", latency], capture_output=True, text=True)
             if shaped.returncode:
                 raise UsageError(f"tc cannot shape the link to {rate['label']} here: {shaped.stderr.strip()}")
 
