@@ -1,25 +1,29 @@
 """One all-reduce of a whole gradient against DDP's buckets of it, over a shaped link: the all-reduces alone.
 
-    sudo python -m benchmarks.bucket_split                        # 30 Mbit/s, three queues, 3 repeats: about 8 min
+    sudo python -m benchmarks.bucket_split                        # 30 Mbit/s, three queues, 3 repeats: about 12 min
     sudo python -m benchmarks.bucket_split --rate 100mbit --queues 256kb/100ms --repeats 5
 
 The network benchmark found DDP's one bucket after the backward (one 42.9 MB all-reduce a step) faster than DDP's own
 buckets (9.2, 25.3 and 8.3 MB, started during the backward) at 30 Mbit/s, and slower at every faster rate. This
 program takes the training away: on benchmarks.network's TwoHosts (network namespaces joined by a veth pair, one rank
-each on a core of its own, gloo, one thread), each rank all-reduces float32 tensors of --buckets' sizes in three
+each on a core of its own, gloo, one thread), each rank all-reduces float32 tensors of --buckets' sizes in five
 patterns, after the link has been idle for --idle seconds (as it is through a step's forward):
 - one: a single all-reduce of their sum, the one-bucket row's;
 - DDP's buckets, queued: all started at once (async_op=True, as DDP starts them from the backward), then waited for;
 - DDP's buckets, in turn: each waited for before the next starts;
 - DDP's buckets, queued, one gloo thread: as queued, in a process group of gloo's with one worker thread where
-  init_process_group's has two (each runs a collective at a time: two of the queued run at once there).
+  init_process_group's has two (each runs a collective at a time: two of the queued run at once there);
+- one, the core computing meanwhile: as one, while a thread of the rank multiplies matrices on the host's one core,
+  as a training step's compute does under an all-reduce it overlaps (DDP's backward, DiLoCo's overlapped round).
 The patterns take turns, --repeats times, under each of --queues: tc's token bucket (tbf) on both ends of the link at
 --rate, with the bucket's burst and the queue's latency given (the network benchmark's is 256kb/100ms; a packet that
-would wait longer than the latency is dropped). For each, rank 0's time, the bytes the busier host's interface sent
-and their time at the rate, and what the link did meanwhile on both hosts, from the kernel's counters in each host's
-namespace: the packets tc dropped (tc -s qdisc), the segments TCP sent again (/proc/net/snmp's RetransSegs) and its
-retransmission timeouts (/proc/net/netstat's TCPTimeouts). Writes <output-dir>/bucket_split.json and .md, replaced
-whole after each queue; stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
+would wait longer than the latency is dropped; a bucket fills while the link is idle, up to its burst, and what it holds
+goes out at once). For each, rank 0's time, the bytes the busier host's interface sent and their time at the rate, and
+what the link did meanwhile on both hosts: how long it stood still (Silence: 50 ms windows in which the host's
+interface sent nothing), and from the kernel's counters in each host's namespace the packets tc dropped (tc -s qdisc),
+the segments TCP sent again (/proc/net/snmp's RetransSegs) and its retransmission timeouts (/proc/net/netstat's
+TCPTimeouts). Writes <output-dir>/bucket_split.json and .md, replaced whole after each queue; stopped (Ctrl-C,
+SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
 """
 import argparse
 import json
@@ -29,6 +33,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,8 +42,10 @@ from utils import flags
 from utils.errors import UsageError, print_line
 
 PORT = 29470  # host 0's store, + the queue's index: a fresh port each queue (the last one's may be in TIME_WAIT)
-PATTERNS = ("one", "DDP's buckets, queued", "DDP's buckets, in turn", "DDP's buckets, queued, one gloo thread")
+PATTERNS = ("one", "DDP's buckets, queued", "DDP's buckets, in turn", "DDP's buckets, queued, one gloo thread",
+            "one, the core computing meanwhile")
 COUNTERS = ("sent", "dropped", "retransmitted", "timeouts")
+WINDOW_S = 0.05  # Silence's: at 30 Mbit/s a window carries about 190 kB, the kernel's largest segment 64 kB
 
 
 def link_counters(interface: str) -> dict:
@@ -51,6 +58,30 @@ def link_counters(interface: str) -> dict:
     return {"sent": network.tx_bytes("self", interface), "dropped": int(re.search(r"dropped (\d+)", qdisc)[1]),
             "retransmitted": field("/proc/net/snmp", "Tcp", "RetransSegs"),
             "timeouts": field("/proc/net/netstat", "TcpExt", "TCPTimeouts")}
+
+
+class Silence:
+    """While a pattern runs, a thread adds up the WINDOW_S windows in which this host's `interface` sent nothing: the
+    time the link stood idle in its direction (from the interface's counter, so after tc's queue)."""
+
+    def __init__(self, interface: str):
+        self.interface, self.stop, self.seconds = interface, threading.Event(), 0.0
+        self.thread = threading.Thread(target=self.watch, daemon=True)
+
+    def watch(self):
+        last = network.tx_bytes("self", self.interface)
+        while not self.stop.wait(WINDOW_S):
+            now = network.tx_bytes("self", self.interface)
+            self.seconds += WINDOW_S if now == last else 0.0
+            last = now
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        self.thread.join()
 
 
 def worker(host: int, port: int, buckets_mb: list[float], repeats: int, idle_s: float) -> None:
@@ -76,20 +107,37 @@ def worker(host: int, port: int, buckets_mb: list[float], repeats: int, idle_s: 
         for work in [start(bucket) for bucket in buckets]:
             work.wait()
 
+    def computing_meanwhile(run):
+        done = threading.Event()
+
+        def compute():  # torch releases the GIL in its kernels: the core is shared as with a training step
+            a = torch.randn(256, 256)
+            while not done.is_set():
+                a = torch.tanh(a @ a)
+        thread = threading.Thread(target=compute)
+        thread.start()
+        try:
+            run()
+        finally:
+            done.set()
+            thread.join()
+
     run = {"one": lambda: dist.all_reduce(whole), "DDP's buckets, queued": queued,
            "DDP's buckets, in turn": lambda: [dist.all_reduce(bucket) for bucket in buckets],
-           "DDP's buckets, queued, one gloo thread": lambda: queued(lambda bucket: one_thread.allreduce([bucket]))}
+           "DDP's buckets, queued, one gloo thread": lambda: queued(lambda bucket: one_thread.allreduce([bucket])),
+           "one, the core computing meanwhile": lambda: computing_meanwhile(lambda: dist.all_reduce(whole))}
     for repeat in range(repeats):
         for pattern in PATTERNS:
             dist.barrier()  # both start together, then the link idles as through a step's forward
             time.sleep(idle_s)
             before = link_counters(network.INTERFACES[host])
-            started = time.perf_counter()
-            run[pattern]()
-            seconds = time.perf_counter() - started
+            with Silence(network.INTERFACES[host]) as silence:
+                started = time.perf_counter()
+                run[pattern]()
+                seconds = time.perf_counter() - started
             dist.barrier()  # the peer has all this host sent, so none of it waits in tc's queue: all counted
             after = link_counters(network.INTERFACES[host])
-            print(json.dumps({"pattern": pattern, "repeat": repeat, "seconds": seconds,
+            print(json.dumps({"pattern": pattern, "repeat": repeat, "seconds": seconds, "still": silence.seconds,
                               **{name: after[name] - before[name] for name in COUNTERS}}), flush=True)
     dist.destroy_process_group()
 
@@ -119,7 +167,7 @@ def measure_queue(hosts, queue: str, index: int, args) -> list[dict]:
         raise UsageError(f"a rank under {queue} failed (exit statuses {[p.returncode for p in procs]})")
     lines = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outputs]
     return [{"queue": queue, "pattern": a["pattern"], "repeat": a["repeat"], "seconds": a["seconds"],
-             **{name: [a[name], b[name]] for name in COUNTERS}} for a, b in zip(*lines, strict=True)]
+             **{name: [a[name], b[name]] for name in ("still", *COUNTERS)}} for a, b in zip(*lines, strict=True)]
 
 
 def markdown(results: dict) -> str:
@@ -144,9 +192,10 @@ def markdown(results: dict) -> str:
             def both(name, runs=runs):  # the median run's count on each host
                 return " / ".join(f"{statistics.median(r[name][h] for r in runs):g}" for h in (0, 1))
             body.append([f"tbf {queue}", pattern, f"{seconds:.2f}", f"{link_s:.2f}", f"{seconds / link_s:.3f}",
-                         both("dropped"), both("retransmitted"), both("timeouts")])
+                         both("still"), both("dropped"), both("retransmitted"), both("timeouts")])
     lines += harness.table(["queue (burst/latency)", "pattern", "s (median)", "bytes' time, s (the busier host's "
-                            "sent / rate)", "s / bytes' time", "packets tc dropped, host 0 / 1",
+                            "sent / rate)", "s / bytes' time", f"s the link was still, host 0 / 1 ({WINDOW_S * 1000:g} "
+                            "ms windows without a byte sent)", "packets tc dropped, host 0 / 1",
                             "TCP segments sent again, host 0 / 1", "TCP timeouts, host 0 / 1"], body)
     return "\n".join(lines) + "\n"
 
