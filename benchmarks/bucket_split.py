@@ -19,11 +19,11 @@ The patterns take turns, --repeats times, under each of --queues: tc's token buc
 --rate, with the bucket's burst and the queue's latency given (the network benchmark's is 256kb/100ms; a packet that
 would wait longer than the latency is dropped; a bucket fills while the link is idle, up to its burst, and what it holds
 goes out at once). For each, rank 0's time, the bytes the busier host's interface sent and their time at the rate, and
-what the link did meanwhile on both hosts: how long it stood still (Silence: 50 ms windows in which the host's
-interface sent nothing), and from the kernel's counters in each host's namespace the packets tc dropped (tc -s qdisc),
-the segments TCP sent again (/proc/net/snmp's RetransSegs) and its retransmission timeouts (/proc/net/netstat's
-TCPTimeouts). Writes <output-dir>/bucket_split.json and .md, replaced whole after each queue; stopped (Ctrl-C,
-SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
+what the link did meanwhile on both hosts: how much of its time went unused (Unused: over 50 ms windows, the share
+of each that the host's interface did not send), and from the kernel's counters in each host's namespace the packets
+tc dropped (tc -s qdisc), the segments TCP sent again (/proc/net/snmp's RetransSegs) and its retransmission timeouts
+(/proc/net/netstat's TCPTimeouts). Writes <output-dir>/bucket_split.json and .md, replaced whole after each queue;
+stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
 """
 import argparse
 import json
@@ -45,7 +45,7 @@ PORT = 29470  # host 0's store, + the queue's index: a fresh port each queue (th
 PATTERNS = ("one", "DDP's buckets, queued", "DDP's buckets, in turn", "DDP's buckets, queued, one gloo thread",
             "one, the core computing meanwhile")
 COUNTERS = ("sent", "dropped", "retransmitted", "timeouts")
-WINDOW_S = 0.05  # Silence's: at 30 Mbit/s a window carries about 190 kB, the kernel's largest segment 64 kB
+WINDOW_S = 0.05  # Unused's: at 30 Mbit/s a window carries about 190 kB, the kernel's largest segment 64 kB
 
 
 def link_counters(interface: str) -> dict:
@@ -60,19 +60,21 @@ def link_counters(interface: str) -> dict:
             "timeouts": field("/proc/net/netstat", "TcpExt", "TCPTimeouts")}
 
 
-class Silence:
-    """While a pattern runs, a thread adds up the WINDOW_S windows in which this host's `interface` sent nothing: the
-    time the link stood idle in its direction (from the interface's counter, so after tc's queue)."""
+class Unused:
+    """While a pattern runs, a thread adds up, over WINDOW_S windows, the share of each that this host's `interface`
+    left unsent at `rate_bps`: the link's time unused in its direction (from the interface's counter, after tc's
+    queue; a window without data still carries the acknowledgements of what the host receives, so none is empty)."""
 
-    def __init__(self, interface: str):
-        self.interface, self.stop, self.seconds = interface, threading.Event(), 0.0
+    def __init__(self, interface: str, rate_bps: float):
+        self.interface, self.capacity = interface, rate_bps / 8 * WINDOW_S
+        self.stop, self.seconds = threading.Event(), 0.0
         self.thread = threading.Thread(target=self.watch, daemon=True)
 
     def watch(self):
         last = network.tx_bytes("self", self.interface)
         while not self.stop.wait(WINDOW_S):
             now = network.tx_bytes("self", self.interface)
-            self.seconds += WINDOW_S if now == last else 0.0
+            self.seconds += WINDOW_S * max(0.0, 1 - (now - last) / self.capacity)
             last = now
 
     def __enter__(self):
@@ -84,7 +86,7 @@ class Silence:
         self.thread.join()
 
 
-def worker(host: int, port: int, buckets_mb: list[float], repeats: int, idle_s: float) -> None:
+def worker(host: int, port: int, buckets_mb: list[float], repeats: int, idle_s: float, rate_bps: float) -> None:
     """One host's rank: each pattern in turn, --repeats times, after idle_s of idle link; a JSON line for each, its
     time and the counters' change across it."""
     import torch
@@ -131,13 +133,13 @@ def worker(host: int, port: int, buckets_mb: list[float], repeats: int, idle_s: 
             dist.barrier()  # both start together, then the link idles as through a step's forward
             time.sleep(idle_s)
             before = link_counters(network.INTERFACES[host])
-            with Silence(network.INTERFACES[host]) as silence:
+            with Unused(network.INTERFACES[host], rate_bps) as unused:
                 started = time.perf_counter()
                 run[pattern]()
                 seconds = time.perf_counter() - started
             dist.barrier()  # the peer has all this host sent, so none of it waits in tc's queue: all counted
             after = link_counters(network.INTERFACES[host])
-            print(json.dumps({"pattern": pattern, "repeat": repeat, "seconds": seconds, "still": silence.seconds,
+            print(json.dumps({"pattern": pattern, "repeat": repeat, "seconds": seconds, "unused": unused.seconds,
                               **{name: after[name] - before[name] for name in COUNTERS}}), flush=True)
     dist.destroy_process_group()
 
@@ -147,7 +149,7 @@ def measure_queue(hosts, queue: str, index: int, args) -> list[dict]:
     burst, latency = queue.split("/")
     hosts.shape(args.rate, burst, latency)
     code = (f"from benchmarks.bucket_split import worker; worker({{host}}, {PORT + index}, {args.buckets!r}, "
-            f"{args.repeats}, {args.idle})")
+            f"{args.repeats}, {args.idle}, {args.rate['bps']})")
     commands = [hosts.prefix(host) + [sys.executable, "-c", code.format(host=host)] for host in (0, 1)]
     envs = [{**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface} for interface in network.INTERFACES]
     procs = [subprocess.Popen(cmd, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
@@ -167,7 +169,7 @@ def measure_queue(hosts, queue: str, index: int, args) -> list[dict]:
         raise UsageError(f"a rank under {queue} failed (exit statuses {[p.returncode for p in procs]})")
     lines = [[json.loads(line) for line in out.splitlines() if line.startswith("{")] for out, _ in outputs]
     return [{"queue": queue, "pattern": a["pattern"], "repeat": a["repeat"], "seconds": a["seconds"],
-             **{name: [a[name], b[name]] for name in ("still", *COUNTERS)}} for a, b in zip(*lines, strict=True)]
+             **{name: [a[name], b[name]] for name in ("unused", *COUNTERS)}} for a, b in zip(*lines, strict=True)]
 
 
 def markdown(results: dict) -> str:
@@ -192,10 +194,11 @@ def markdown(results: dict) -> str:
             def both(name, runs=runs):  # the median run's count on each host
                 return " / ".join(f"{statistics.median(r[name][h] for r in runs):g}" for h in (0, 1))
             body.append([f"tbf {queue}", pattern, f"{seconds:.2f}", f"{link_s:.2f}", f"{seconds / link_s:.3f}",
-                         both("still"), both("dropped"), both("retransmitted"), both("timeouts")])
+                         both("unused"), both("dropped"), both("retransmitted"), both("timeouts")])
     lines += harness.table(["queue (burst/latency)", "pattern", "s (median)", "bytes' time, s (the busier host's "
-                            "sent / rate)", "s / bytes' time", f"s the link was still, host 0 / 1 ({WINDOW_S * 1000:g} "
-                            "ms windows without a byte sent)", "packets tc dropped, host 0 / 1",
+                            "sent / rate)", "s / bytes' time",
+                            f"s of the link unused, host 0 / 1 (each {WINDOW_S * 1000:g} ms window's share not sent)",
+                            "packets tc dropped, host 0 / 1",
                             "TCP segments sent again, host 0 / 1", "TCP timeouts, host 0 / 1"], body)
     return "\n".join(lines) + "\n"
 

@@ -1,6 +1,7 @@
 """benchmarks.bucket_split: its three patterns of all-reduces on two hosts (network namespaces joined by a veth pair,
 the link shaped by tc; skipped without root), each timed no faster than its bytes at the rate, each host's counters
-showing the all-reduce's bytes sent and the link still no longer than the run; and a bad flag refused in one line."""
+showing the all-reduce's bytes sent and the link's unused time no longer than the run; and a bad flag refused in one
+line."""
 import json
 import os
 import shutil
@@ -40,6 +41,6 @@ def test_each_pattern_is_timed_and_counted_on_a_shaped_link(tmp_path):
         # the link held to the rate: no run faster than its bytes (less tbf's burst of 256 kB, sent at once)
         assert run["seconds"] >= 0.8 * size * 8 / rate_bps, run
         assert all(count >= 0 for name in ("dropped", "retransmitted", "timeouts") for count in run[name]), run
-        assert all(0 <= still <= run["seconds"] + 2 * bucket_split.WINDOW_S for still in run["still"]), run
+        assert all(0 <= unused <= run["seconds"] + 2 * bucket_split.WINDOW_S for unused in run["unused"]), run
     page = (tmp_path / "bucket_split.md").read_text()
     assert all(f"| tbf 256kb/100ms | {pattern} |" in page for pattern in bucket_split.PATTERNS), page
