@@ -1,4 +1,4 @@
-"""benchmarks.bucket_split: its three patterns of all-reduces on two hosts (network namespaces joined by a veth pair,
+"""benchmarks.bucket_split: its five patterns of all-reduces on two hosts (network namespaces joined by a veth pair,
 the link shaped by tc; skipped without root), each timed no faster than its bytes at the rate, each host's counters
 showing the all-reduce's bytes sent and the link's unused time no longer than the run; and a bad flag refused in one
 line."""
