@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from safety_net import SafetyNet
 from speed import techniques
-from utils import data, flags, launch, metrics, models
+from utils import collectives, data, flags, launch, metrics, models
 from utils.errors import UsageError
 from utils.in_flight import InFlight
 
@@ -69,13 +69,11 @@ def train_one_epoch(model, criterion, optimizer, loader, device, safety, max_nor
 
 @torch.no_grad()
 def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, late=None, epoch_ends=False):
-    """Every rank (collective: one all-reduce): the round's pseudo-gradients averaged and BatchNorm's running
-    statistics with them, the outer optimizer's step from the round's start, which every rank continues from.
-    late (--overlap-round, a utils.in_flight.InFlight): this round's all-reduce is left running through the next round's
-    steps, and the outer step applies the round before's mean instead, one round late."""
+    """Every rank (collective: one all-reduce): the round's pseudo-gradients and BatchNorm's running statistics
+    averaged, the outer step from the round's start, which every rank continues from. late (--overlap-round, an
+    InFlight): the all-reduce runs on late.group through the next round's steps, the outer step one round late."""
     starts, weights = list(outer_model.parameters()), list(model.parameters())
-    # BatchNorm's running mean and variance, each rank's from its own batches: averaged too, for a checkpoint mid-epoch
-    # (each epoch's end measures them again, train(); torchft's DiLoCo averages parameters only)
+    # BatchNorm's running statistics, each rank's own: averaged too, for a checkpoint mid-epoch (torchft's DiLoCo: not)
     statistics = [buffer for buffer in model.buffers() if buffer.is_floating_point()]
     # the pseudo-gradient: how far this rank's inner steps moved each weight from the round's start (a step's
     # direction, as a gradient is), all of it and the statistics in one message: the round's one all-reduce
@@ -86,7 +84,7 @@ def end_round(model, outer_model, outer_optimizer, inner_optimizer, world_size, 
         means = [message / world_size]
     else:  # --overlap-round: the round before's mean now; this round's all-reduce runs on through the next round
         means = [late.take()]
-        late.put(dist.all_reduce(message, async_op=True), message, world_size)
+        late.put(dist.all_reduce(message, group=late.group, async_op=True), message, world_size)
         if epoch_ends:  # the epoch's last round waits for its own too: the evaluation and checkpoint see every round
             means.append(late.take())
     outer_statistics = [buffer for buffer in outer_model.buffers() if buffer.is_floating_point()]
@@ -149,7 +147,9 @@ def train(args, env, safety):
 
     # every rank: continue from <output-dir>'s checkpoint if there is one (the round's start and the outer momentum as
     # model and outer_optimizer; the inner optimizer for its rate: its momentum is dropped at each round's start)
-    late = InFlight() if args.overlap_round else None  # --overlap-round: the round whose all-reduce runs
+    # --overlap-round: the round whose all-reduce runs, on a group of its own: on the default group's connections a
+    # progress line's loss would wait behind its 45 MB (over a second at 30 Mbit/s: docs/diloco.md)
+    late = InFlight(collectives.new_group_like_world()) if args.overlap_round else None
     start_epoch = safety.resume(model=outer_model, optimizer=optimizer, outer_optimizer=outer_optimizer,
                                 scheduler=scheduler, round_in_flight=late, steps_per_epoch=len(train_loader))
     if args.evaluate:  # the checkpoint's weights (all that resume read) on the test set, into eval.json

@@ -380,3 +380,69 @@ def assert_equal(got, expected, where: str) -> None:
     else:
         assert got == expected, where
 
+
+
+# One host's rank of the test below: a round of an 8 MB model started as --overlap-round starts it (the script's
+# end_round, its InFlight on a group of its own as train() makes it), then the progress line's all-reduce on the
+# default group timed while the round's bytes cross the link, then the round's mean taken.
+ROUND_IN_FLIGHT = """
+import copy, json, time, torch, torch.distributed as dist
+from torch import nn
+import distributed_diloco as script
+from benchmarks import network
+from utils import collectives
+from utils.in_flight import InFlight
+torch.set_num_threads(1)
+dist.init_process_group("gloo", init_method=f"tcp://{{network.ADDRESSES[0]}}:{port}", rank={host}, world_size=2)
+late = InFlight(collectives.new_group_like_world())
+collectives.all_reduce_sum(torch.zeros(3)); dist.all_reduce(torch.zeros(3), group=late.group)  # connections made
+torch.manual_seed(0)
+model = nn.Linear(2048, 1024, bias=False)
+outer_model = copy.deepcopy(model)
+outer = torch.optim.SGD(outer_model.parameters(), lr=1.0)
+with torch.no_grad():
+    model.weight.sub_({host} + 1)  # host 0 moved by -1, host 1 by -2: their mean pseudo-gradient is 1.5
+started = time.perf_counter()
+script.end_round(model, outer_model, outer, torch.optim.SGD(model.parameters(), lr=1.0), 2, late)
+begun = time.perf_counter()
+collectives.all_reduce_sum(torch.zeros(3))  # what a progress line sends (utils/collectives.py)
+small_s = time.perf_counter() - begun
+mean = late.take()
+print(json.dumps({{"small_s": small_s, "round_s": time.perf_counter() - started,
+                   "mean_ok": bool(torch.all(mean == 1.5))}}), flush=True)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_round_in_flight_leaves_the_default_groups_connections_free(tmp_path):
+    """--overlap-round's all-reduce crosses a slow link for seconds; a progress line's all-reduce meanwhile (on the
+    default group) goes over connections of its own, not behind the round's bytes: two hosts (network namespaces,
+    skipped without root), the link at 10 Mbit/s."""
+    if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "tc", "taskset")):
+        pytest.skip("two hosts need root, iproute2 and taskset")
+    import subprocess
+    import sys
+
+    from benchmarks import harness, network
+    with network.TwoHosts() as hosts:
+        hosts.shape(network.parse_rates("10mbit")[0])
+        commands = [hosts.prefix(host) + [sys.executable, "-c", ROUND_IN_FLIGHT.format(host=host, port=29561)]
+                    for host in (0, 1)]
+        envs = [{**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": name} for name in network.INTERFACES]
+        procs = [subprocess.Popen(cmd, cwd=harness.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                  env=env) for cmd, env in zip(commands, envs, strict=True)]
+        try:
+            outputs = [proc.communicate(timeout=150) for proc in procs]
+        finally:
+            harness.stop(procs, grace_s=0)
+    assert [proc.returncode for proc in procs] == [0, 0], [err[-2000:] for _, err in outputs]
+    for out, _ in outputs:
+        found = json.loads(out.strip().splitlines()[-1])
+        assert found["mean_ok"], found
+        # 8 MB a host at 10 Mbit/s: the round takes 6.7 s or more; behind its bytes the small all-reduce would wait
+        # for most of them (the first half at least: the ring's second half needs it), on its own connections only
+        # for tc's queue (100 ms a way)
+        assert found["round_s"] >= 0.8 * 8 * network.MB * 8 / 10e6, found
+        assert found["small_s"] < found["round_s"] / 4, found

@@ -9,7 +9,8 @@ class InFlight:
     checkpoint) waits for it and keeps its mean, which a run at any world size continues from, bit for bit the mean
     that take() would have given."""
 
-    def __init__(self):
+    def __init__(self, group: dist.ProcessGroup | None = None):
+        self.group = group  # the group its all-reduces run on (None: the default group)
         self.work, self.value, self.ranks = None, None, 1
 
     def put(self, work: dist.Work, summed: torch.Tensor, ranks: int) -> None:
