@@ -27,11 +27,12 @@ each host's core, both at once. The link's limit at a rate is max(compute alone,
 step / rate); each row's floor counts what cannot overlap (floor_s): where its all-reduces hide only behind the backward
 (DDP), the forward and the optimizer's step are added to the longer of the backward and the bytes' time; where nothing
 hides them (one bucket after the backward, DiLoCo's round), compute alone and the bytes' time add up. Step / floor is
-what each row is judged by. The DiLoCo rows run one epoch of 2H + 1 steps and are timed over their second round
-(timed_round): the mean step of a whole round, its all-reduce included. Then a --profile-steps timeline of DDP at the
-rate where its bytes take as long as its backward (tools.timeline's lanes, into timeline.png), and what each compression
-and DiLoCo row costs in learning: the loss after the same steps on the learnable synthetic set, beside DDP's and DDP's
-with another seed (two ranks on this machine, unshaped: the loss does not depend on the link).
+what each row is judged by. The DiLoCo rows run one epoch of 2H + 1 steps, a progress line every H steps, and are
+timed over their second round (timed_round): the mean step of a whole round, its all-reduce included. Then a
+--profile-steps timeline of DDP at the rate where its bytes take as long as its backward (tools.timeline's lanes, into
+timeline.png), and what each compression and DiLoCo row costs in learning: the loss after the same steps on the
+learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this machine, unshaped: the loss does
+not depend on the link).
 
 Writes <output-dir>/network.md (the tables), network.json and network.png (step time against rate); the tables after
 every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP) keeps the rows it measured, marked unfinished. Nothing is left
@@ -376,8 +377,10 @@ def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, 
     limit = 300 + steps_per_epoch * epochs * (5 * args.compute_s + 2 * 100 * MB * 8 / (rate["bps"] or 1e10))
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as out:
+        # DiLoCo: a progress line every H steps, as its timing needs: a line's loss all-reduce each step would cross
+        # the link each step, which a user's run (--print-freq 50) does not
         script_flags = workload(args, steps_per_epoch, epochs, out) + row.flags + (
-            ["--profile-steps", str(steps_per_epoch)] if count else [])
+            ["--print-freq", str(h)] if h else []) + (["--profile-steps", str(steps_per_epoch)] if count else [])
         result, lines = run_on_two_hosts(hosts, row, script_flags, port, limit)
         if result.returncode:
             return {"error": f"still running after {limit:.0f} s: stopped" if result.returncode == 124 else
@@ -559,7 +562,9 @@ def floors_said(results: dict) -> str:
             "can (FSDP, HSDP, the pipeline, the overlapped round: "
             "\"link\"), the link's limit, max(compute alone, the bytes' time), which each rate's table gives for "
             "every row too." + (
-                " DiLoCo rows: one epoch of 2H + 1 steps; step time: the mean step over its second round (steps H + 1 "
+                " DiLoCo rows: one epoch of 2H + 1 steps" + (
+                    ", a progress line every H steps (--print-freq H)" if results["meta"].get("diloco_lines") else "") +
+                "; step time: the mean step over its second round (steps H + 1 "
                 "to 2H, the round's all-reduce included), between rank 0's progress lines after steps H and 2H; sent: "
                 "the counters over that round, per step (with --overlap-round the all-reduces run across the lines: "
                 "about a round's bytes, not split exactly); no collectives counted." if diloco else ""))
@@ -969,7 +974,7 @@ def measure(args, doc: Path | None, command: str) -> None:
     meta = {"hardware": harness.hardware("cpu", 2), "processor": harness.processor(), "torch": torch.__version__,
             "command": command, "commit": harness.git_commit(), "batch_size": args.batch_size,
             "steps": args.steps, "rates": args.rates, "rows": [r.name for r in args.selected],
-            "left_out": args.left_out}
+            "left_out": args.left_out, "diloco_lines": "every H steps"}
     results = {"meta": meta, "runs": [], "collectives": {}, "learning": [], "timeline": None}
     learners = learning_rows(args.selected, args.quick) if args.learning_steps else []
     ddp = next((r for r in args.selected if r.name == TIMELINE_ROW), None)
