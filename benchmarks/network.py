@@ -30,7 +30,7 @@ hides them (one bucket after the backward, DiLoCo's round), compute alone and th
 what each row is judged by. The DiLoCo rows run one epoch of 2H + 1 steps, a progress line every H steps, and are
 timed over their second round (timed_round): the mean step of a whole round, its all-reduce included. Then a
 --profile-steps timeline of DDP at the rate where its bytes take as long as its backward (tools.timeline's lanes, into
-timeline.png), and what each compression and DiLoCo row costs in learning: the loss after the same steps on the
+timeline.png; the small all-reduces that start in each recorded backward, SyncBatchNorm's, counted and timed), and what each compression and DiLoCo row costs in learning: the loss after the same steps on the
 learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this machine, unshaped: the loss does
 not depend on the link).
 
@@ -429,7 +429,25 @@ def draw_timeline(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int
         lanes = timeline.read_run(Path(run_dir))
     title = f"{row.script} {' '.join(row.flags)}".strip() + f": 2 recorded steps, 2 hosts at {rate['label']}"
     timeline.draw(lanes, title, out / "timeline.png")
-    return {"rate": rate["label"], "row": row.name, "picture": "timeline.png", "summary": timeline.summary_text(lanes)}
+    return {"rate": rate["label"], "row": row.name, "picture": "timeline.png", "summary": timeline.summary_text(lanes),
+            "small_in_backward": small_in_backward(lanes)}
+
+
+def small_in_backward(lanes: list[timeline.Lane], under: int = 64 * 1024) -> list[dict]:
+    """For each rank and recorded step, the all-reduces of under `under` bytes that started within its backward's span
+    (from its first backward operator to its last): in DDP with SyncBatchNorm its layers' gradient sums, on a group of
+    their own, so their time is the link's, not a wait for gloo's threads (DDP's buckets are 1 MB and up). Each: the
+    rank, the step, how many and their summed time in s (each blocks its layer's backward)."""
+    found = []
+    for lane in lanes:
+        for start, end, label in lane.steps:
+            backward = [(s, e) for s, e in lane.compute.get("backward", []) if start <= s < end]
+            first, last = (min(s for s, _ in backward), max(e for _, e in backward)) if backward else (end, end)
+            mine = [c for c in lane.collectives
+                    if c.asked == "all_reduce" and c.size < under and first <= c.start < last]
+            found.append({"lane": lane.name, "step": label, "count": len(mine),
+                          "seconds": sum(c.end - c.start for c in mine) / 1000})
+    return found
 
 
 def learning_rows(selected: list[harness.Row], quick: bool = False) -> list[harness.Row]:
@@ -539,6 +557,11 @@ def markdown(results: dict, pictures: str = "") -> str:
         t = results["timeline"]
         lines += ["### A DDP step where communication takes as long as the backward", "",
                   f"{t['row']} at {t['rate']}: {t.get('summary') or t.get('error')}.", ""]
+        if t.get("small_in_backward"):  # (runs before b8c6874 did not count them)
+            counted = "; ".join(f"{s['lane']}, {s['step']}: {s['count']}, {s['seconds']:.3f} s"
+                                for s in t["small_in_backward"])
+            lines += ["All-reduces under 64 KB started in each recorded step's backward (SyncBatchNorm's, on a group "
+                      f"of their own), their count and summed time: {counted}.", ""]
         if "picture" in t:
             lines += [f"![{t['row']} at {t['rate']}]({pictures}{t['picture']})", ""]
     if any(measured(results)):

@@ -264,3 +264,17 @@ def test_ctrl_c_keeps_the_rows_measured_and_leaves_nothing(two_hosts_possible, t
     assert 0.9 <= agreement(results, "unshaped") <= 1.1, results
     assert "**Unfinished:**" in (tmp_path / "out" / "network.md").read_text()
     assert_nothing_left(proc.pid, tmp_path)
+
+
+def test_the_small_all_reduces_counted_are_those_started_in_each_steps_backward():
+    from tools.timeline import Collective, Lane
+    lane = Lane("rank 0", compute={"forward": [(0, 10), (100, 110)], "backward": [(10, 20), (25, 40), (110, 140)]},
+                steps=[(0, 50, "step 3"), (100, 150, "step 4")])
+    lane.collectives = [Collective(5, 6, "all_reduce", "all_reduce", 8200),  # SyncBatchNorm's forward: not counted
+                        Collective(20, 25, "all_reduce", "all_reduce", 4096),  # in the backward's gap: counted
+                        Collective(30, 45, "all_reduce", "all_reduce", 2 * 2**20),  # a bucket: not counted
+                        Collective(39, 41, "all_reduce", "all_reduce", 64),  # counted
+                        Collective(45, 46, "all_reduce", "all_reduce", 4),  # after the backward (the loss): not
+                        Collective(120, 130, "all_reduce", "all_reduce", 1024)]  # the next step's
+    assert network.small_in_backward([lane]) == [{"lane": "rank 0", "step": "step 3", "count": 2, "seconds": 0.007},
+                                                 {"lane": "rank 0", "step": "step 4", "count": 1, "seconds": 0.01}]
