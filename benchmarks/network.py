@@ -30,9 +30,10 @@ hides them (one bucket after the backward, DiLoCo's round), compute alone and th
 what each row is judged by. The DiLoCo rows run one epoch of 2H + 1 steps, a progress line every H steps, and are
 timed over their second round (timed_round): the mean step of a whole round, its all-reduce included. Then a
 --profile-steps timeline of DDP at the rate where its bytes take as long as its backward (tools.timeline's lanes, into
-timeline.png; the small all-reduces that start in each recorded backward, SyncBatchNorm's, counted and timed), and what each compression and DiLoCo row costs in learning: the loss after the same steps on the
-learnable synthetic set, beside DDP's and DDP's with another seed (two ranks on this machine, unshaped: the loss does
-not depend on the link).
+timeline.png; the small all-reduces that start in each recorded backward, SyncBatchNorm's, counted and timed), and
+what each compression and DiLoCo row costs in learning: the loss after the same steps on the learnable synthetic set,
+beside DDP's and DDP's with another seed (two ranks on this machine, unshaped: the loss does not depend on the
+link).
 
 Writes <output-dir>/network.md (the tables), network.json and network.png (step time against rate); the tables after
 every row, so a run stopped (Ctrl-C, SIGTERM, SIGHUP) keeps the rows it measured, marked unfinished. Nothing is left
