@@ -437,8 +437,9 @@ def draw_timeline(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int
 def small_in_backward(lanes: list[timeline.Lane], under: int = 64 * 1024) -> list[dict]:
     """For each rank and recorded step, the all-reduces of under `under` bytes that started within its backward's span
     (from its first backward operator to its last): in DDP with SyncBatchNorm its layers' gradient sums, on a group of
-    their own, so their time is the link's, not a wait for gloo's threads (DDP's buckets are 1 MB and up). Each: the
-    rank, the step, how many and their summed time in s (each blocks its layer's backward)."""
+    their own, so their time is not a wait behind the buckets on gloo's threads: the link's, or the other rank's arrival
+    (DDP's buckets here are 8 MB and up). Each: the rank, the step, how many and their summed time in s (each blocks its
+    layer's backward)."""
     found = []
     for lane in lanes:
         for start, end, label in lane.steps:
@@ -558,7 +559,7 @@ def markdown(results: dict, pictures: str = "") -> str:
         t = results["timeline"]
         lines += ["### A DDP step where communication takes as long as the backward", "",
                   f"{t['row']} at {t['rate']}: {t.get('summary') or t.get('error')}.", ""]
-        if t.get("small_in_backward"):  # (runs before b8c6874 did not count them)
+        if t.get("small_in_backward"):  # (runs before aa27cdd did not count them)
             counted = "; ".join(f"{s['lane']}, {s['step']}: {s['count']}, {s['seconds']:.3f} s"
                                 for s in t["small_in_backward"])
             lines += ["All-reduces under 64 KB started in each recorded step's backward (SyncBatchNorm's, on a group "
