@@ -69,6 +69,7 @@ from utils.errors import UsageError, exit_on_error
 
 MB = 2**20
 RATES, QUICK_RATES = "unshaped,1gbit,300mbit,100mbit,30mbit", "unshaped,300mbit"
+QUICK_ROUND = 4  # --quick: DiLoCo's rows timed over rounds of this many steps (2 x 4 + 1 a run, not 33)
 INTERFACES = ("veth-a", "veth-b")  # host 0's end of the link, host 1's
 ADDRESSES = ("10.231.1.1", "10.231.1.2")  # inside the namespaces: no clash with this machine's own
 PROGRESS = re.compile(r"epoch (\d+)/\d+ step (\d+)/\d+ ")  # rank 0's line after each step (--print-freq 1)
@@ -371,6 +372,7 @@ def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, 
     of one recorded step (--profile-steps) too."""
     steps_per_epoch, epochs = args.steps + 1, 3 if count else 2
     if h := sync_every(row):  # DiLoCo: one epoch of 2H + 1 steps, its second round timed; no collectives counted
+        h = min(h, QUICK_ROUND) if args.quick else h  # --quick: rounds of 4 (a check of the path, in a third the steps)
         steps_per_epoch, epochs, count = 2 * h + 1, 1, False
     # the recorded steps 3 .. steps_per_epoch + 2: the last is the second epoch's second (PowerSGD compresses there)
     profiled = steps_per_epoch + 2 if count else 0
@@ -381,7 +383,8 @@ def measure_row(hosts: TwoHosts, row: harness.Row, rate: dict, args, port: int, 
         # DiLoCo: a progress line every H steps, as its timing needs: a line's loss all-reduce each step would cross
         # the link each step, which a user's run (--print-freq 50) does not
         script_flags = workload(args, steps_per_epoch, epochs, out) + row.flags + (
-            ["--print-freq", str(h)] if h else []) + (["--profile-steps", str(steps_per_epoch)] if count else [])
+            ["--sync-every", str(h), "--print-freq", str(h)] if h else []) + (
+            ["--profile-steps", str(steps_per_epoch)] if count else [])
         result, lines = run_on_two_hosts(hosts, row, script_flags, port, limit)
         if result.returncode:
             return {"error": f"still running after {limit:.0f} s: stopped" if result.returncode == 124 else
@@ -937,8 +940,9 @@ def parse_args(argv=None):
                           formatter_class=flags.HelpFormatter)
     parser.add_argument("--quick", action="store_true",
                         help=f"2 rates ({QUICK_RATES}), 2 timed steps a run (3 at the first rate), per-rank batch "
-                             "8, 8 learning steps, and without --only not the rows that change one flag of a path it "
-                             "runs (bf16 compression, no SyncBatchNorm): a check of every path, not figures")
+                             f"8, DiLoCo's rounds timed at --sync-every {QUICK_ROUND}, 8 learning steps, and without "
+                             "--only not the rows that change one flag of a path it runs (bf16 compression, no "
+                             "SyncBatchNorm): a check of every path, not figures")
     parser.add_argument("--rates", default=None,
                         help=f"comma-separated link rates as tc writes them, or unshaped (default: {RATES}; "
                              f"with --quick {QUICK_RATES})")
