@@ -27,7 +27,6 @@ stopped (Ctrl-C, SIGTERM, SIGHUP), it keeps what it measured, marked unfinished.
 """
 import argparse
 import json
-import os
 import re
 import shlex
 import statistics
@@ -151,9 +150,8 @@ def measure_queue(hosts, queue: str, index: int, args) -> list[dict]:
     code = (f"from benchmarks.bucket_split import worker; worker({{host}}, {PORT + index}, {args.buckets!r}, "
             f"{args.repeats}, {args.idle}, {args.rate['bps']})")
     commands = [hosts.prefix(host) + [sys.executable, "-c", code.format(host=host)] for host in (0, 1)]
-    envs = [{**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": interface} for interface in network.INTERFACES]
-    procs = [subprocess.Popen(cmd, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True, env=env)
-             for cmd, env in zip(commands, envs, strict=True)]
+    procs = [subprocess.Popen(cmd, cwd=harness.ROOT, stdout=subprocess.PIPE, text=True, start_new_session=True,
+                              env=hosts.env(host)) for host, cmd in enumerate(commands)]
     link_s = sum(args.buckets) * network.MB * 8 / args.rate["bps"]  # a pattern's bytes at the rate, a host's
     limit_s = 120 + args.repeats * len(PATTERNS) * (args.idle + 10 * link_s)  # a hang ends; 10x: a slow machine
     deadline = time.monotonic() + limit_s

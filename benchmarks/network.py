@@ -250,6 +250,11 @@ class TwoHosts:
                  if self.hostnames else [])
         return ["ip", "netns", "exec", self.names[host], *named, "taskset", "-c", str(self.cores[host])]
 
+    @staticmethod
+    def env(host: int) -> dict:
+        """A rank on `host`: one thread (the host is one core), gloo on the host's end of the link."""
+        return {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": INTERFACES[host]}
+
     def sent(self, pids: list[int]) -> list[int]:
         """The bytes each host has sent so far, read through a process of each (`pids`: one in each namespace)."""
         return [tx_bytes(pid, interface) for pid, interface in zip(pids, INTERFACES, strict=True)]
@@ -285,8 +290,7 @@ def run_on_two_hosts(hosts: TwoHosts, row: harness.Row, script_flags: list[str],
                 for host in (0, 1)]
     errors = [tempfile.TemporaryFile("w+") for _ in commands]
     procs = [subprocess.Popen(command, cwd=harness.ROOT, stdout=subprocess.PIPE if host == 0 else subprocess.DEVNULL,
-                              stderr=errors[host], text=True, start_new_session=True,
-                              env={**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": INTERFACES[host]})
+                              stderr=errors[host], text=True, start_new_session=True, env=hosts.env(host))
              for host, command in enumerate(commands)]
     lines = []
 

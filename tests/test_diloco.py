@@ -14,6 +14,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,6 +27,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import distributed_diloco as script
+from benchmarks import harness, network
 from benchmarks.diloco import count
 from safety_net.checkpoint import save_atomic
 from utils import data, models
@@ -416,23 +419,18 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 @pytest.mark.timeout(180)
-def test_the_round_in_flight_leaves_the_default_groups_connections_free(tmp_path):
+def test_the_round_in_flight_leaves_the_default_groups_connections_free():
     """--overlap-round's all-reduce crosses a slow link for seconds; a progress line's all-reduce meanwhile (on the
     default group) goes over connections of its own, not behind the round's bytes: two hosts (network namespaces,
     skipped without root), the link at 10 Mbit/s."""
     if os.geteuid() != 0 or not all(shutil.which(tool) for tool in ("ip", "tc", "taskset")):
         pytest.skip("two hosts need root, iproute2 and taskset")
-    import subprocess
-    import sys
-
-    from benchmarks import harness, network
     with network.TwoHosts() as hosts:
         hosts.shape(network.parse_rates("10mbit")[0])
         commands = [hosts.prefix(host) + [sys.executable, "-c", ROUND_IN_FLIGHT.format(host=host, port=29561)]
                     for host in (0, 1)]
-        envs = [{**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": name} for name in network.INTERFACES]
         procs = [subprocess.Popen(cmd, cwd=harness.ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                  env=env) for cmd, env in zip(commands, envs, strict=True)]
+                                  env=hosts.env(host)) for host, cmd in enumerate(commands)]
         try:
             outputs = [proc.communicate(timeout=150) for proc in procs]
         finally:
